@@ -1,0 +1,83 @@
+"""Peers that need no network: `solo` (one peer) and `sim` (M replicas in one process, one thread each)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from swarm.averaging import SimAverager, SoloAverager
+from swarm.config import Config
+from swarm.report import format_table, peer_summary, write_summary
+from swarm.trainer import Trainer
+
+log = logging.getLogger("swarm")
+
+
+def run_solo(cfg: Config, out_dir: Path) -> Path:
+    """Train one peer without network; write summary.json and loss.png into `out_dir`."""
+    start = time.time()
+    if cfg.diloco.threads:
+        torch.set_num_threads(cfg.diloco.threads)
+    shard = cfg.data.shard if cfg.data.shard is not None else 0
+    trainer = Trainer(cfg, SoloAverager(), peer_id="solo", shard=shard, out_dir=out_dir)
+    total = cfg.diloco.rounds * cfg.diloco.inner_steps
+    with logging_redirect_tqdm(), tqdm(total=total, initial=0, disable=not cfg.logging.progress_bar,
+                                       desc="solo", unit="step") as bar:
+        def progress(round_: int, step: int, loss: float) -> None:
+            bar.n = trainer.step
+            bar.set_postfix(round=round_ + 1, loss=f"{loss:.3f}", refresh=False)
+            bar.refresh()
+
+        history = trainer.train(progress)
+    peers = [peer_summary(history)]
+    path = write_summary(out_dir, cfg.swarm.run_id, "solo", cfg.to_dict(), time.time() - start, peers)
+    print(format_table(peers))
+    return path
+
+
+def run_sim(cfg: Config, replicas: int, out_dir: Path) -> Path:
+    """M replicas on disjoint shards, averaged in memory each round; write summary.json and loss.png."""
+    start = time.time()
+    trainers = simulate(cfg, replicas, out_dir)
+    peers = [peer_summary(t.history) for t in trainers]
+    path = write_summary(out_dir, cfg.swarm.run_id, f"sim x{replicas}", cfg.to_dict(), time.time() - start, peers)
+    print(format_table(peers))
+    return path
+
+
+def simulate(cfg: Config, replicas: int, out_dir: Path) -> list[Trainer]:
+    """Train M replicas (shards 0..M-1) in M threads with the same loop as a real peer; return them."""
+    if cfg.diloco.threads:
+        torch.set_num_threads(cfg.diloco.threads)
+    sim = SimAverager(replicas)
+    trainers = []
+    for i in range(replicas):
+        replica_cfg = copy.deepcopy(cfg)
+        if cfg.checkpoint.dir is not None:
+            replica_cfg.checkpoint.dir = str(Path(cfg.checkpoint.dir) / f"replica-{i}")
+        trainers.append(Trainer(replica_cfg, sim.member(i), peer_id=f"replica-{i}", shard=i,
+                                out_dir=out_dir / f"replica-{i}"))
+    errors = []
+
+    def work(i: int) -> None:
+        try:
+            trainers[i].train()
+        except BaseException as e:  # one dead replica must not leave the others waiting at the barrier
+            errors.append(e)
+            sim.abort()
+
+    threads = [threading.Thread(target=work, args=(i,), name=f"replica-{i}") for i in range(replicas)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return trainers

@@ -1,0 +1,114 @@
+"""The `swarm` command: `peer`, `sim`, `local`, `bootstrap`.
+
+Config overrides follow the named flags as dotted keys: `--inner.lr 3e-4` or `inner.lr=3e-4`.
+Every failure ends with one line on stderr (`swarm: error: ...`) and a non-zero exit: 2 for bad input
+(config key, multiaddr, path), 1 for a refusal by the world (unreachable peers, port in use, corrupt
+checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from swarm.config import Config, ConfigError, load_config
+from swarm.errors import SwarmError, exit_code
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="swarm", description="DiLoCo training across peers on hivemind.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    peer = sub.add_parser("peer", help="run one training peer (joins a swarm, starts one, or --solo)")
+    peer.add_argument("--config", required=True, help="YAML config file, e.g. configs/tiny.yaml")
+    peer.add_argument("--solo", action="store_true", help="train alone, without any network")
+    peer.add_argument("--initial-peers", nargs="+", default=None, metavar="MADDR",
+                      help="multiaddrs of peers already in the swarm; none: start a new swarm")
+    peer.add_argument("--name", default=None, help="peer name (default: hostname-pid); picks the data shard")
+    peer.add_argument("--out", default=None, help="run folder (default: runs/<run>-<time>)")
+
+    sim = sub.add_parser("sim", help="M replicas in one process, averaged in memory")
+    sim.add_argument("--config", required=True)
+    sim.add_argument("--replicas", type=int, default=4)
+    sim.add_argument("--out", default=None)
+
+    local = sub.add_parser("local", help="a local multi-peer test swarm on 127.0.0.1")
+    local.add_argument("--config", required=True)
+    local.add_argument("--peers", type=int, default=4)
+    local.add_argument("--rounds", type=int, default=None, help="override diloco.rounds")
+    local.add_argument("--out", default=None)
+
+    boot = sub.add_parser("bootstrap", help="a DHT-only peer that others use as --initial-peers")
+    boot.add_argument("--identity", default=None, help="key file for a stable peer id (created if missing)")
+    boot.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"])
+    boot.add_argument("--announce-maddrs", nargs="+", default=[])
+    boot.add_argument("--initial-peers", nargs="+", default=[])
+    return parser
+
+
+def _out_dir(out: Optional[str], cfg: Config, mode: str) -> Path:
+    if out is not None:
+        return Path(out)
+    return Path("runs") / f"{cfg.swarm.run_id}-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stderr)
+
+
+def run(argv: list[str]) -> int:
+    args, rest = _parser().parse_known_args(argv)
+    _setup_logging()
+    if args.command == "bootstrap":
+        if rest:
+            raise ConfigError(f"unknown argument {rest[0]!r}")
+        from peers.bootstrap import run_bootstrap
+
+        return run_bootstrap(args.identity, args.host_maddrs, args.announce_maddrs, args.initial_peers)
+
+    overrides = list(rest)
+    if getattr(args, "initial_peers", None):
+        overrides += ["--swarm.initial_peers", *args.initial_peers]
+    if getattr(args, "rounds", None) is not None:
+        overrides += ["--diloco.rounds", str(args.rounds)]
+    cfg = load_config(args.config, overrides)
+
+    if args.command == "peer" and args.solo:
+        from peers.local_trainers import run_solo
+
+        path = run_solo(cfg, _out_dir(args.out, cfg, "solo"))
+    elif args.command == "peer":
+        from peers.node import run_peer
+
+        path = run_peer(cfg, _out_dir(args.out, cfg, "peer"), args.name)
+    elif args.command == "sim":
+        from peers.local_trainers import run_sim
+
+        path = run_sim(cfg, args.replicas, _out_dir(args.out, cfg, f"sim{args.replicas}"))
+    else:
+        from peers.local_swarm import run_local
+
+        path = run_local(cfg, args.config, overrides, args.peers, _out_dir(args.out, cfg, f"local{args.peers}"))
+    print(f"wrote {path} and {path.parent / 'loss.png'}")
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    try:
+        code = run(sys.argv[1:] if argv is None else argv)
+    except (ConfigError, SwarmError) as e:
+        print(f"swarm: error: {e}", file=sys.stderr)
+        code = exit_code(e)
+    except KeyboardInterrupt:
+        print("swarm: interrupted", file=sys.stderr)
+        code = 130
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

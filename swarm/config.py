@@ -1,0 +1,321 @@
+"""Typed configuration: one dataclass per concern, composed under `Config`.
+
+A config is loaded from a YAML file (`configs/*.yaml`) and then overridden with dotted keys from the
+command line (`--inner.lr 3e-4` or `inner.lr=3e-4`). Unknown keys, wrong types and broken cross-field
+rules raise `ConfigError` with a one-line message that names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config: the message is one line and names the culprit key or file."""
+
+
+@dataclass
+class ModelConfig:
+    """The causal LM: built from these shapes (seeded random init) or loaded from `pretrained`."""
+
+    pretrained: Optional[str] = None  # local path or hub name for `from_pretrained`; shapes below are then ignored
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: Optional[int] = None  # None: same as num_heads (no grouped-query attention)
+    intermediate_size: int = 172
+    max_seq_len: int = 256
+    vocab_size: Optional[int] = None  # None: taken from the tokenizer
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    seed: int = 0  # random init seed: every peer of a run must build the same initial weights
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from and how each peer's shard is cut."""
+
+    source: Literal["embedded", "hf"] = "embedded"  # embedded: Python's standard library source, no download
+    dataset: Optional[str] = None  # source=hf: hub name or local path (folder or .txt/.json/.jsonl/.parquet file)
+    dataset_config: Optional[str] = None
+    split: str = "train"
+    text_field: str = "text"
+    streaming: bool = True
+    tokenizer: str = "bytes"  # "bytes" (256 symbols, no download) or a tokenizer name/path for AutoTokenizer
+    seq_len: int = 128
+    batch_size: int = 8
+    num_shards: int = 64  # the training stream is cut into this many disjoint shards
+    shard: Optional[int] = None  # this peer's shard; None: derived from (run, peer name, seed)
+    eval_fraction: float = 0.05  # share of documents held out for eval; no shard ever trains on them
+    eval_batches: int = 8
+    max_documents: Optional[int] = None  # cap on documents read (embedded corpus / hf), None: all
+    seed: int = 0
+
+
+@dataclass
+class InnerConfig:
+    """The local AdamW optimizer each peer runs for H inner steps per round."""
+
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last inner step
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+
+
+@dataclass
+class OuterConfig:
+    """The outer optimizer: SGD with Nesterov momentum on the global parameters."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+
+
+@dataclass
+class DilocoConfig:
+    """The two-level loop: `rounds` outer steps of `inner_steps` (H) inner steps each."""
+
+    rounds: int = 6
+    inner_steps: int = 50
+    eval_every: int = 1  # rounds between held-out evals
+    device: str = "cpu"
+    global_device: str = "cpu"  # where the fp32 global parameters and outer momentum live
+    threads: int = 0  # torch intra-op threads for this peer; 0 leaves torch's default
+
+
+@dataclass
+class SwarmConfig:
+    """The network: DHT bootstrap, matchmaking and all-reduce. Every time-out is finite."""
+
+    run_id: str = "swarm-tiny"  # DHT key prefix; several runs can share one DHT
+    initial_peers: list[str] = field(default_factory=list)
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    announce_maddrs: list[str] = field(default_factory=list)
+    identity_path: Optional[str] = None
+    client_mode: bool = False
+    target_group_size: int = 64  # a group forms at once when this many peers are ready
+    min_group_size: int = 2
+    compression: Literal["none", "fp16", "int8", "int4"] = "none"
+    bootstrap_timeout: float = 30.0
+    """Give up joining after this long: raise it if "initial peers unreachable" appears on a slow link."""
+    matchmaking_time: float = 5.0
+    """How long a leader waits for groupmates: raise it if peers of one round end up in separate groups."""
+    request_timeout: float = 3.0
+    """Per-request wait in matchmaking; must stay below matchmaking_time or leaders deadlock."""
+    allreduce_timeout: float = 60.0
+    """Bound on one all-reduce: a peer killed mid-round makes the survivors fail after this, not hang."""
+    round_timeout: float = 180.0
+    """Bound on matchmaking + all-reduce + retries of one round: past it the round is discarded."""
+    state_timeout: float = 60.0
+    """Bound on downloading the state from one donor: past it the next donor is tried."""
+    progress_expiration: float = 60.0
+    """A progress record older than this marks its peer as gone: lower it if dead peers are waited on."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None  # None: <out>/checkpoint
+    every: int = 1  # rounds between checkpoints; 0 disables
+    resume: bool = True  # resume from dir if a checkpoint is there
+
+
+@dataclass
+class LoggingConfig:
+    progress_bar: bool = True
+    log_every: int = 10  # inner steps between loss lines when the bar is off
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    diloco: DilocoConfig = field(default_factory=DilocoConfig)
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """Hash of what peers must share to average together: model shapes, tokenizer, outer rule, H."""
+        shared = {
+            "model": self.model.__dict__,
+            "tokenizer": self.data.tokenizer,
+            "seq_len": self.data.seq_len,
+            "outer": self.outer.__dict__,
+            "inner_steps": self.diloco.inner_steps,
+            "compression": self.swarm.compression,
+        }
+        return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _check_type(key: str, value: Any, tp: Any) -> Any:
+    """Return `value` coerced to `tp` (int -> float only), or raise ConfigError naming `key`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _check_type(key, value, arg)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0]
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{key}: {value!r} is not one of {list(typing.get_args(tp))}")
+        return value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_check_type(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if tp in (int, float, str, bool) and (type(value) is not tp):
+        raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def _apply(section: Any, prefix: str, values: dict[str, Any]) -> None:
+    hints = typing.get_type_hints(type(section))
+    names = {f.name for f in dataclasses.fields(section)}
+    for name, value in values.items():
+        key = f"{prefix}{name}"
+        if name not in names:
+            while isinstance(value, dict) and len(value) == 1:  # name the full dotted key of an override
+                (sub, value), = value.items()
+                key = f"{key}.{sub}"
+            raise ConfigError(f"unknown config key {key!r}")
+        current = getattr(section, name)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+            _apply(current, f"{key}.", value)
+        else:
+            setattr(section, name, _check_type(key, value, hints[name]))
+
+
+def _nest(dotted: str, value: Any) -> dict[str, Any]:
+    head, _, rest = dotted.partition(".")
+    return {head: _nest(rest, value) if rest else value}
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """Turn `["--inner.lr", "3e-4", "outer.lr=0.5", "--swarm.initial_peers", "a", "b"]` into nested dicts.
+
+    Values are parsed as YAML scalars; a key followed by several values becomes a list.
+    """
+    merged: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if "=" in arg and not arg.startswith("--"):
+            key, raw = arg.split("=", 1)
+            values = [raw]
+            i += 1
+        elif arg.startswith("--"):
+            key, _, inline = arg[2:].partition("=")
+            values = [inline] if inline else []
+            i += 1
+            while not inline and i < len(args) and not args[i].startswith("--") and "=" not in args[i]:
+                values.append(args[i])
+                i += 1
+            if not values:
+                raise ConfigError(f"override --{key} has no value")
+        else:
+            raise ConfigError(f"cannot read override {arg!r}: use --section.key VALUE or section.key=VALUE")
+        if "." not in key:
+            raise ConfigError(f"unknown config key {key!r}: overrides look like section.key")
+        parsed = [yaml.safe_load(v) if v != "" else None for v in values]
+        _deep_merge(merged, _nest(key, parsed[0] if len(parsed) == 1 else parsed))
+    return merged
+
+
+def _deep_merge(into: dict, other: dict) -> None:
+    for k, v in other.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _deep_merge(into[k], v)
+        else:
+            into[k] = v
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field rules that a single type cannot express."""
+    m, d, s = cfg.model, cfg.data, cfg.swarm
+    if m.pretrained is None and m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.hidden_size {m.hidden_size} is not divisible by model.num_heads {m.num_heads}")
+    if m.num_kv_heads is not None and m.num_heads % m.num_kv_heads:
+        raise ConfigError(f"model.num_heads {m.num_heads} is not divisible by model.num_kv_heads {m.num_kv_heads}")
+    if d.seq_len > m.max_seq_len and m.pretrained is None:
+        raise ConfigError(f"data.seq_len {d.seq_len} exceeds model.max_seq_len {m.max_seq_len}")
+    if d.shard is not None and not 0 <= d.shard < d.num_shards:
+        raise ConfigError(f"data.shard {d.shard} is outside [0, data.num_shards={d.num_shards})")
+    if d.source == "hf" and not d.dataset:
+        raise ConfigError("data.dataset is required when data.source is 'hf'")
+    if not 0.0 < d.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction {d.eval_fraction} must be in (0, 1)")
+    for key, value in [("diloco.rounds", cfg.diloco.rounds), ("diloco.inner_steps", cfg.diloco.inner_steps),
+                       ("data.batch_size", d.batch_size), ("data.seq_len", d.seq_len)]:
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    if cfg.inner.warmup_steps > cfg.diloco.rounds * cfg.diloco.inner_steps:
+        raise ConfigError("inner.warmup_steps exceeds the total inner steps (diloco.rounds * diloco.inner_steps)")
+    if not 0.0 <= cfg.outer.momentum < 1.0:
+        raise ConfigError(f"outer.momentum {cfg.outer.momentum} must be in [0, 1)")
+    if s.request_timeout >= s.matchmaking_time:
+        raise ConfigError("swarm.request_timeout must be below swarm.matchmaking_time")
+    if s.min_group_size < 1 or s.target_group_size < s.min_group_size:
+        raise ConfigError("swarm.target_group_size must be >= swarm.min_group_size >= 1")
+    for name in ("bootstrap_timeout", "matchmaking_time", "allreduce_timeout", "round_timeout", "state_timeout"):
+        if not getattr(s, name) > 0:
+            raise ConfigError(f"swarm.{name} must be a positive number of seconds")
+
+
+def load_config(path: str | Path | None, overrides: list[str] | dict | None = None) -> Config:
+    """Load `path` (YAML), apply overrides (CLI strings or a nested dict), validate, return the Config."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections")
+        _apply(cfg, "", raw)
+    if overrides:
+        _apply(cfg, "", parse_overrides(overrides) if isinstance(overrides, list) else overrides)
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(values: dict[str, Any]) -> Config:
+    """Rebuild a Config from `Config.to_dict()` output (checkpoints and summaries carry it)."""
+    return load_config(None, values)

@@ -1,0 +1,39 @@
+"""The causal language model: a transformers Llama built from `ModelConfig`, or loaded with `from_pretrained`."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+from swarm.config import ModelConfig
+from swarm.errors import UsageError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build_model(cfg: ModelConfig, vocab_size: int) -> PreTrainedModel:
+    """A seeded random-init Llama (every peer of a run builds the same weights), or a pretrained model."""
+    dtype = DTYPES[cfg.dtype]
+    if cfg.pretrained is not None:
+        try:
+            return AutoModelForCausalLM.from_pretrained(cfg.pretrained, dtype=dtype)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"cannot load model.pretrained {cfg.pretrained!r}: {str(e).splitlines()[0]}") from None
+    config = LlamaConfig(
+        vocab_size=cfg.vocab_size or vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
+        max_position_embeddings=cfg.max_seq_len,
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = LlamaForCausalLM(config)
+    return model.to(dtype)
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,91 @@
+"""summary.json and loss.png: what a run leaves behind for people and for other tools.
+
+summary.json holds `run`, `mode`, `config` (resolved), `wall_s`, `events`, and `peers`: per peer
+`peer_id`, `rounds_completed`, `round_hashes` (global-parameter sha256 after each committed round),
+`final_global_sha256`, `initial_eval_loss`, `train_loss` and `eval_loss` (per committed round),
+`compute_s`, `comm_s`, `bytes_sent`, `bytes_received` (all-reduce payload, totals) and `rounds` (every
+round record, discarded ones included, with its own byte counts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+from swarm.trainer import PeerHistory
+
+
+def peer_summary(history: PeerHistory) -> dict[str, Any]:
+    committed = [r for r in history.rounds if r.committed]
+    return {
+        "peer_id": history.peer_id,
+        "rounds_completed": committed[-1].round if committed else 0,
+        "round_hashes": [r.global_sha256 for r in committed],
+        "final_global_sha256": committed[-1].global_sha256 if committed else None,
+        "initial_eval_loss": history.initial_eval_loss,
+        "train_loss": [r.train_loss for r in committed],
+        "eval_loss": [r.eval_loss for r in committed],
+        "compute_s": sum(r.compute_s for r in history.rounds),
+        "comm_s": sum(r.comm_s for r in history.rounds),
+        "bytes_sent": sum(r.bytes_sent for r in history.rounds),
+        "bytes_received": sum(r.bytes_received for r in history.rounds),
+        "rounds": [r.__dict__ for r in history.rounds],
+        "events": history.events,
+    }
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
+def write_summary(out_dir: Path, run: str, mode: str, config: dict, wall_s: float,
+                  peers: Iterable[dict[str, Any]], events: list[dict[str, Any]] = ()) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = {"run": run, "mode": mode, "config": config, "wall_s": wall_s, "events": list(events),
+               "peers": list(peers)}
+    write_json(out_dir / "summary.json", summary)
+    plot_losses(out_dir / "loss.png", summary["peers"])
+    return out_dir / "summary.json"
+
+
+def plot_losses(path: Path, peers: list[dict[str, Any]]) -> None:
+    """Every peer's train loss and eval loss per committed round."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for peer in peers:
+        rounds = [r["round"] for r in peer["rounds"] if r["committed"]]
+        name = peer["peer_id"][:10]
+        ax.plot(rounds, peer["train_loss"], marker=".", alpha=0.7, label=f"train {name}")
+        evals = [(r, e) for r, e in zip(rounds, peer["eval_loss"]) if e is not None]
+        if peer.get("initial_eval_loss") is not None:
+            evals.insert(0, (0, peer["initial_eval_loss"]))
+        if evals:
+            ax.plot(*zip(*evals), marker="o", linestyle="--", label=f"eval {name}")
+    ax.set_xlabel("round (outer step)")
+    ax.set_ylabel("loss")
+    ax.set_title("DiLoCo: train and held-out eval loss per round")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def format_table(peers: list[dict[str, Any]]) -> str:
+    """The closing table: one line per peer."""
+    header = f"{'peer':<14}{'rounds':>7}{'eval loss':>11}{'compute s':>11}{'comm s':>9}{'MB sent':>9}  final global sha256"
+    lines = [header, "-" * len(header)]
+    for p in peers:
+        evals = [e for e in p["eval_loss"] if e is not None]
+        lines.append(f"{p['peer_id'][:13]:<14}{p['rounds_completed']:>7}"
+                     f"{(f'{evals[-1]:.4f}' if evals else '-'):>11}{p['compute_s']:>11.1f}{p['comm_s']:>9.2f}"
+                     f"{p['bytes_sent'] / 1e6:>9.2f}  {(p['final_global_sha256'] or '-')[:16]}")
+    return "\n".join(lines)

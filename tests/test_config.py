@@ -1,0 +1,69 @@
+from pathlib import Path
+
+import pytest
+
+from swarm.config import ConfigError, load_config, parse_overrides
+from tests.conftest import ROOT, run_cli
+
+pytestmark = pytest.mark.timeout(60)
+
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def test_configs_folder_is_not_empty():
+    assert {p.name for p in CONFIGS} >= {"tiny.yaml", "llama-150m.yaml", "llama-1b.yaml"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path: Path):
+    cfg = load_config(path)
+    assert cfg.diloco.rounds >= 1 and cfg.outer.lr > 0
+
+
+def test_paper_150m_recipe():
+    cfg = load_config(ROOT / "configs" / "llama-150m.yaml")
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_heads) == (12, 896, 16)
+    assert (cfg.data.seq_len, cfg.data.batch_size, cfg.diloco.inner_steps) == (1024, 512, 500)
+    assert (cfg.inner.lr, cfg.inner.warmup_steps, cfg.inner.weight_decay) == (4e-4, 1000, 0.1)
+    assert (cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov) == (0.7, 0.9, True)
+
+
+def test_overrides_in_both_forms():
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", ["--inner.lr", "3e-4", "outer.lr=0.5",
+                                                       "--swarm.initial_peers", "/ip4/127.0.0.1/tcp/1", "/ip4/127.0.0.1/tcp/2"])
+    assert cfg.inner.lr == 3e-4 and cfg.outer.lr == 0.5
+    assert cfg.swarm.initial_peers == ["/ip4/127.0.0.1/tcp/1", "/ip4/127.0.0.1/tcp/2"]
+    assert parse_overrides(["--diloco.rounds=3"]) == {"diloco": {"rounds": 3}}
+
+
+@pytest.mark.parametrize("overrides, culprit", [
+    (["--bogus.key", "1"], "bogus.key"),
+    (["--inner.nope", "1"], "inner.nope"),
+    (["--inner.lr", "fast"], "inner.lr"),
+    (["--diloco.rounds", "2.5"], "diloco.rounds"),
+    (["--swarm.compression", "int3"], "swarm.compression"),
+    (["--model.hidden_size", "130"], "model.hidden_size"),
+    (["--swarm.request_timeout", "9"], "swarm.request_timeout"),
+])
+def test_bad_overrides_name_the_culprit(overrides, culprit):
+    with pytest.raises(ConfigError, match=culprit.replace(".", r"\.")):
+        load_config(ROOT / "configs" / "tiny.yaml", overrides)
+
+
+def test_unknown_key_in_yaml(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("inner:\n  lr: 0.1\n  learning_rate: 0.2\n")
+    with pytest.raises(ConfigError, match="inner.learning_rate"):
+        load_config(bad)
+
+
+def test_cli_bogus_key_exits_2_naming_it():
+    result = run_cli("peer", "--config", "configs/tiny.yaml", "--solo", "--bogus.key", "1")
+    assert result.returncode == 2
+    assert "bogus.key" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_cli_missing_config_exits_2():
+    result = run_cli("peer", "--config", "configs/nope.yaml", "--solo")
+    assert result.returncode == 2 and "configs/nope.yaml" in result.stderr

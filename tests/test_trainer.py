@@ -1,0 +1,122 @@
+"""The two-level loop: sim equals a hand-written reference, solo learns, resume is exact."""
+
+import json
+
+import pytest
+import torch
+
+from peers.local_trainers import simulate
+from swarm.averaging import SoloAverager
+from swarm.checkpoint import Checkpointer, CorruptCheckpoint
+from swarm.data import TrainBatches, load_corpus
+from swarm.model import build_model
+from swarm.trainer import Trainer, lr_lambda
+from tests.conftest import run_cli, tiny_config
+
+
+def reference_diloco(cfg, replicas: int) -> list[torch.Tensor]:
+    """DiLoCo written out by hand: M AdamW replicas, mean pseudo-gradient, Nesterov update by formula."""
+    corpus = load_corpus(cfg.data)
+    models = [build_model(cfg.model, corpus.tokenizer.vocab_size) for _ in range(replicas)]
+    inner = cfg.inner
+    opts = [torch.optim.AdamW(m.parameters(), lr=inner.lr, betas=(inner.beta1, inner.beta2), eps=inner.eps,
+                              weight_decay=inner.weight_decay) for m in models]
+    total = cfg.diloco.rounds * cfg.diloco.inner_steps
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(inner, total)) for o in opts]
+    data = [TrainBatches(corpus, cfg.data, shard=i) for i in range(replicas)]
+    global_params = [p.detach().clone().float() for p in models[0].parameters()]
+    momentum = [torch.zeros_like(g) for g in global_params]
+    step = 0
+    for _ in range(cfg.diloco.rounds):
+        for _ in range(cfg.diloco.inner_steps):
+            for model, opt, sched, batches in zip(models, opts, scheds, data):
+                x = batches.batch(step)
+                model(input_ids=x, labels=x).loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), inner.grad_clip)
+                opt.step(), sched.step(), opt.zero_grad()
+            step += 1
+        for i, g in enumerate(global_params):
+            delta = sum(g - list(m.parameters())[i].detach() for m in models) / replicas
+            momentum[i] = cfg.outer.momentum * momentum[i] + delta
+            g -= cfg.outer.lr * (delta + cfg.outer.momentum * momentum[i])
+        with torch.no_grad():
+            for m in models:
+                for p, g in zip(m.parameters(), global_params):
+                    p.copy_(g)
+    return global_params
+
+
+@pytest.mark.timeout(120)
+def test_sim_equals_hand_written_reference(tmp_path):
+    cfg = tiny_config(diloco={"rounds": 2, "inner_steps": 3}, checkpoint={"every": 0})
+    trainers = simulate(cfg, 3, tmp_path)
+    expected = reference_diloco(cfg, 3)
+    hashes = {t.diloco.global_sha256() for t in trainers}
+    assert len(hashes) == 1, "every replica must hold the same global parameters"
+    for ours, ref in zip(trainers[0].diloco.global_params, expected):
+        assert torch.allclose(ours, ref, atol=1e-6, rtol=0)
+
+
+@pytest.mark.timeout(180)
+def test_solo_cli_lowers_eval_loss_and_writes_summary(tmp_path):
+    result = run_cli("peer", "--config", "configs/tiny.yaml", "--solo", "--out", str(tmp_path),
+                     "--diloco.rounds", "2", "--diloco.inner_steps", "15", "--data.max_documents", "200",
+                     "--model.num_layers", "2", "--logging.progress_bar", "false", timeout=170)
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    (peer,) = summary["peers"]
+    assert peer["rounds_completed"] == 2 and len(peer["round_hashes"]) == 2
+    assert peer["eval_loss"][-1] < peer["initial_eval_loss"] - 1.0
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+    assert "eval loss" in result.stderr
+
+
+class Interrupt(Exception):
+    pass
+
+
+@pytest.mark.timeout(120)
+def test_interrupted_and_resumed_equals_uninterrupted(tmp_path):
+    cfg = tiny_config(diloco={"rounds": 4, "inner_steps": 3})
+    straight = Trainer(cfg, SoloAverager(), "a", shard=0, out_dir=tmp_path / "straight")
+    straight.train()
+
+    def stop_after_round_2(record):
+        if record.round == 2:
+            raise Interrupt
+
+    first = Trainer(cfg, SoloAverager(), "b", shard=0, out_dir=tmp_path / "resumed", on_round=stop_after_round_2)
+    with pytest.raises(Interrupt):
+        first.train()
+    second = Trainer(cfg, SoloAverager(), "b", shard=0, out_dir=tmp_path / "resumed")
+    second.train()
+
+    ours = [(r.train_loss, r.eval_loss) for r in second.history.rounds]
+    ref = [(r.train_loss, r.eval_loss) for r in straight.history.rounds]
+    assert len(ours) == len(ref) == 4
+    for (a, b), (c, d) in zip(ours, ref):
+        assert abs(a - c) < 1e-6 and abs(b - d) < 1e-6
+    assert second.diloco.global_sha256() == straight.diloco.global_sha256()
+
+
+@pytest.mark.timeout(60)
+def test_corrupt_checkpoint_is_refused_and_never_overwrites(tmp_path):
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save({"round": 1, "x": torch.ones(3)})
+    good = ckpt.path.read_bytes()
+    ckpt.path.write_bytes(good[: len(good) // 2])
+    with pytest.raises(CorruptCheckpoint, match="checkpoint.pt"):
+        ckpt.load()
+    ckpt.path.write_bytes(good)
+    assert ckpt.load()["round"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_cli_corrupt_checkpoint_exits_1_naming_it(tmp_path):
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "checkpoint.pt").write_bytes(b"SWRMCKP1" + b"\0" * 64)
+    result = run_cli("peer", "--config", "configs/tiny.yaml", "--solo", "--out", str(tmp_path),
+                     "--data.max_documents", "60")
+    assert result.returncode == 1
+    assert "corrupt checkpoint" in result.stderr and "checkpoint.pt" in result.stderr
+    assert (tmp_path / "checkpoint" / "checkpoint.pt").read_bytes() == b"SWRMCKP1" + b"\0" * 64
