@@ -135,6 +135,15 @@ class CheckpointConfig:
 class LoggingConfig:
     progress_bar: bool = True
     log_every: int = 10  # inner steps between loss lines when the bar is off
+    dump_tensors: bool = False  # write each round's pseudo-gradient, weight and new global params to <out>/tensors
+
+
+@dataclass
+class FaultsConfig:
+    """Fault injection for tests and demos (`swarm local --kill`): this peer SIGKILLs itself."""
+
+    kill_round: Optional[int] = None  # die while working towards this round (1-based outer step)
+    kill_phase: Literal["inner", "allreduce"] = "inner"  # mid inner steps, or inside the all-reduce
 
 
 @dataclass
@@ -147,6 +156,7 @@ class Config:
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

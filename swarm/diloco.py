@@ -41,7 +41,8 @@ class DiLoCo:
     def outer_step(self, averaged: list[torch.Tensor]) -> None:
         """Apply the outer optimizer with `averaged` as the gradient, then reset the local model to global."""
         if len(averaged) != len(self.global_params):
-            raise ValueError(f"averaged pseudo-gradient has {len(averaged)} tensors, expected {len(self.global_params)}")
+            raise ValueError(f"averaged pseudo-gradient has {len(averaged)} tensors, "
+                             f"expected {len(self.global_params)}")
         for g, delta in zip(self.global_params, averaged):
             if delta.shape != g.shape:
                 raise ValueError(f"averaged pseudo-gradient shape {tuple(delta.shape)} != {tuple(g.shape)}")
@@ -78,7 +79,8 @@ class DiLoCo:
             raise ValueError("state holds a different number of global parameters")
         for i, (t, g) in enumerate(zip(params, self.global_params)):
             if not isinstance(t, torch.Tensor) or t.shape != g.shape:
-                raise ValueError(f"global parameter {i} has shape {getattr(t, 'shape', None)}, expected {tuple(g.shape)}")
+                shape = tuple(getattr(t, "shape", ()))
+                raise ValueError(f"global parameter {i} has shape {shape}, expected {tuple(g.shape)}")
             if not torch.isfinite(t).all():
                 raise ValueError(f"global parameter {i} holds NaN or Inf")
 

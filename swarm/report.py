@@ -81,11 +81,12 @@ def plot_losses(path: Path, peers: list[dict[str, Any]]) -> None:
 
 def format_table(peers: list[dict[str, Any]]) -> str:
     """The closing table: one line per peer."""
-    header = f"{'peer':<14}{'rounds':>7}{'eval loss':>11}{'compute s':>11}{'comm s':>9}{'MB sent':>9}  final global sha256"
+    header = (f"{'peer':<14}{'rounds':>7}{'eval loss':>11}{'compute s':>11}{'comm s':>9}{'MB sent':>9}"
+              "  final global sha256")
     lines = [header, "-" * len(header)]
     for p in peers:
         evals = [e for e in p["eval_loss"] if e is not None]
-        lines.append(f"{p['peer_id'][:13]:<14}{p['rounds_completed']:>7}"
+        lines.append(f"{p.get('name', p['peer_id'])[:13]:<14}{p['rounds_completed']:>7}"
                      f"{(f'{evals[-1]:.4f}' if evals else '-'):>11}{p['compute_s']:>11.1f}{p['comm_s']:>9.2f}"
                      f"{p['bytes_sent'] / 1e6:>9.2f}  {(p['final_global_sha256'] or '-')[:16]}")
     return "\n".join(lines)

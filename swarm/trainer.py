@@ -79,7 +79,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, averager: Averager, peer_id: str, shard: int, out_dir: Path,
                  on_round: Optional[Callable[[RoundRecord], None]] = None):
-        self.cfg, self.averager, self.on_round = cfg, averager, on_round
+        self.cfg, self.averager, self.on_round, self.out_dir = cfg, averager, on_round, out_dir
         self.device = cfg.diloco.device
         corpus = load_corpus(cfg.data)
         self.batches = TrainBatches(corpus, cfg.data, shard)
@@ -188,14 +188,19 @@ class Trainer:
             compute_s = time.perf_counter() - start
 
             # The outer step: average the pseudo-gradients, then commit or discard the round.
-            outcome = self.averager.average(self.diloco.round, self.diloco.pseudo_gradient(), self.samples_since_commit)
+            pseudo_grad, samples = self.diloco.pseudo_gradient(), self.samples_since_commit
+            before = [g.clone() for g in self.diloco.global_params] if self.cfg.logging.dump_tensors else None
+            outcome = self.averager.average(self.diloco.round, pseudo_grad, samples)
             record = self._close_round(outcome, sum(losses) / len(losses), compute_s,
                                        tokens_per_step * len(losses) / compute_s)
+            if self.cfg.logging.dump_tensors:
+                self._dump(record, pseudo_grad, samples, before)
             if self.on_round is not None:
                 self.on_round(record)
         return self.history
 
-    def _close_round(self, outcome: RoundOutcome, train_loss: float, compute_s: float, tokens_per_s: float) -> RoundRecord:
+    def _close_round(self, outcome: RoundOutcome, train_loss: float, compute_s: float,
+                     tokens_per_s: float) -> RoundRecord:
         committed = outcome.averaged is not None
         if committed:
             self.diloco.outer_step(outcome.averaged)
@@ -224,6 +229,17 @@ class Trainer:
                 self.save_checkpoint()
             self.averager.offer_state(self.diloco.round, self.state_dict())
         return record
+
+
+    def _dump(self, record: RoundRecord, pseudo_grad: list[torch.Tensor], samples: int,
+              global_before: list[torch.Tensor]) -> None:
+        """Evidence for tests: what this peer contributed and what it committed, per attempt."""
+        folder = self.out_dir / "tensors"
+        folder.mkdir(parents=True, exist_ok=True)
+        attempt = len(self.history.rounds)
+        torch.save({"record": record.__dict__, "pseudo_grad": pseudo_grad, "samples": samples,
+                    "global_before": global_before, "global_after": self.diloco.state_dict()["global_params"]},
+                   folder / f"attempt-{attempt:04d}.pt")
 
 
 def _history_to_dict(history: PeerHistory) -> dict[str, Any]:

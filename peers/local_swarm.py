@@ -1,0 +1,150 @@
+"""`swarm local`: a bootstrap and N training peers as separate processes on 127.0.0.1.
+
+Each child runs in its own process group (so a Ctrl-C reaches only this launcher, which then stops
+every child: SIGTERM, a grace period, then SIGKILL to the whole group, hivemind's DHT process and p2pd
+daemon included). Peers write `peer-i/status.json`, which this launcher renders as one live line per
+peer, and `peer-i/peer.json`, which it merges into `summary.json` and `loss.png`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Optional
+
+from swarm.config import Config
+from swarm.errors import SwarmError
+from swarm.report import format_table, write_summary
+
+BOOTSTRAP_TIMEOUT_S = 60.0  # the bootstrap prints its multiaddrs within seconds; past this it is broken
+STOP_GRACE_S = 15.0  # a peer asked to stop gets this long to shut down its DHT before SIGKILL
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    out_dir: Optional[Path]
+    log: IO
+
+
+def spawn_child(name: str, argv: list[str], log_path: Path, out_dir: Optional[Path] = None) -> Child:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "w")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "swarm.cli", *argv], stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    return Child(name, proc, out_dir, log)
+
+
+def stop_children(children: list[Child]) -> None:
+    """SIGTERM every live child, wait up to STOP_GRACE_S, then SIGKILL each child's whole process group."""
+    for child in children:
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+    deadline = time.time() + STOP_GRACE_S
+    for child in children:
+        try:
+            child.proc.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            pass
+    for child in children:
+        try:
+            os.killpg(child.proc.pid, signal.SIGKILL)  # the group also holds the DHT child and p2pd
+        except ProcessLookupError:
+            pass
+        child.proc.wait()
+        child.log.close()
+
+
+def bootstrap_maddr(child: Child, log_path: Path) -> str:
+    deadline = time.time() + BOOTSTRAP_TIMEOUT_S
+    while time.time() < deadline:
+        if child.proc.poll() is not None:
+            raise SwarmError(f"the bootstrap peer exited with status {child.proc.returncode}: see {log_path}")
+        for line in log_path.read_text().splitlines():
+            if line.startswith("/ip4/127.0.0.1/") and "/p2p/" in line:
+                return line.strip()
+        time.sleep(0.2)
+    raise SwarmError(f"the bootstrap peer printed no multiaddr within {BOOTSTRAP_TIMEOUT_S:.0f}s: see {log_path}")
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):  # not written yet, or caught mid-rename
+        return None
+
+
+def _status_line(peers: list[Child], rounds: int, inner_steps: int) -> str:
+    cells = []
+    for child in peers:
+        s = _read_json(child.out_dir / "status.json") or {}
+        loss = s.get("loss")
+        state = "exited" if child.proc.poll() is not None else s.get("state", "starting")
+        cells.append(f"{child.name}: r{s.get('round', 0)}/{rounds} s{s.get('step', 0)}/{inner_steps} "
+                     f"loss {'-' if loss is None else f'{loss:.3f}'} {state}")
+    return " | ".join(cells)
+
+
+def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int, out_dir: Path) -> Path:
+    if n_peers < 1:
+        raise SwarmError(f"--peers must be >= 1, got {n_peers}")
+    start = time.time()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    children: list[Child] = []
+    try:
+        boot_log = out_dir / "bootstrap.log"
+        boot = spawn_child("bootstrap", ["bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], boot_log)
+        children.append(boot)
+        maddr = bootstrap_maddr(boot, boot_log)
+        print(f"bootstrap at {maddr}", flush=True)
+        # Each peer gets its own shard; the group covers the whole swarm so a round never waits for stragglers.
+        common = ["peer", "--config", config_path, *overrides, "--initial-peers", maddr,
+                  "--swarm.target_group_size", str(max(n_peers, 2)), "--diloco.threads", "1",
+                  "--logging.progress_bar", "false"]
+        peers = []
+        for i in range(n_peers):
+            peer_dir = out_dir / f"peer-{i}"
+            peers.append(spawn_child(f"peer-{i}", [*common, "--name", f"peer-{i}", "--out", str(peer_dir),
+                                              "--data.shard", str(i)], peer_dir / "log.txt", peer_dir))
+        children += peers
+        print(f"started {n_peers} peers; logs in {out_dir}/peer-*/log.txt", flush=True)
+
+        interactive, last_print = sys.stdout.isatty(), 0.0
+        while any(p.proc.poll() is None for p in peers):
+            line = _status_line(peers, cfg.diloco.rounds, cfg.diloco.inner_steps)
+            if interactive:
+                print("\r\033[K" + line[: os.get_terminal_size().columns - 1], end="", flush=True)
+            elif time.time() - last_print >= 10:
+                print(f"[{time.time() - start:5.0f}s] {line}", flush=True)
+                last_print = time.time()
+            time.sleep(0.5)
+        if interactive:
+            print()
+        failed = [p for p in peers if p.proc.returncode != 0]
+        for p in failed:
+            tail = (p.out_dir / "log.txt").read_text().strip().splitlines()[-1:]
+            print(f"{p.name} exited with status {p.proc.returncode}: {tail[0] if tail else ''}", flush=True)
+    finally:
+        stop_children(children)
+
+    summaries = [s for s in (_read_json(p.out_dir / "peer.json") for p in peers) if s is not None]
+    if not summaries:
+        raise SwarmError(f"no peer finished; see the logs in {out_dir}")
+    path = write_summary(out_dir, cfg.swarm.run_id, f"local x{n_peers}", cfg.to_dict(), time.time() - start,
+                         summaries)
+    print(format_table(summaries))
+    hashes = {s["final_global_sha256"] for s in summaries}
+    print(f"final global parameters: {'identical on every peer' if len(hashes) == 1 else 'DIFFER'} "
+          f"({len(summaries)} peers, wall {time.time() - start:.0f}s)")
+    if failed:
+        raise SwarmError(f"{len(failed)} of {n_peers} peers failed ({', '.join(p.name for p in failed)}); "
+                         f"summary in {path}")
+    return path

@@ -1,0 +1,98 @@
+"""`swarm peer`: one training peer in a swarm, started from `--initial-peers` or starting a new swarm.
+
+Besides training it writes, into its run folder, `status.json` (round, inner step, loss; refreshed
+about once a second, for `swarm local`'s live view), `peer.json` (this peer's summary entry) and
+`summary.json`. SIGTERM and SIGINT end it cleanly: the DHT and averager shut down, the last committed
+round's checkpoint stays on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from swarm.config import Config
+from swarm.data import shard_index
+from swarm.report import peer_summary, write_json, write_summary
+from swarm.trainer import Trainer
+
+log = logging.getLogger("swarm.peer")
+
+
+class StatusFile:
+    """A small JSON file with this peer's live progress, rewritten at most once a second."""
+
+    def __init__(self, path: Path):
+        self.path, self.last = path, 0.0
+
+    def update(self, force: bool = False, **fields) -> None:
+        now = time.time()
+        if force or now - self.last >= 1.0:
+            write_json(self.path, {"time": now, **fields})
+            self.last = now
+
+
+def _terminate_on_sigterm() -> None:
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def run_peer(cfg: Config, out_dir: Path, name: Optional[str]) -> Path:
+    from swarm.net.dht import start_dht, visible_maddrs
+    from swarm.net.peer import SwarmAverager
+
+    start = time.time()
+    _terminate_on_sigterm()
+    if cfg.diloco.threads:
+        torch.set_num_threads(cfg.diloco.threads)
+    name = name or f"{socket.gethostname()}-{os.getpid()}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    status = StatusFile(out_dir / "status.json")
+    status.update(force=True, name=name, state="starting", round=0, step=0, loss=None)
+
+    fingerprint = cfg.fingerprint()
+    dht = start_dht(cfg.swarm, fingerprint=fingerprint)
+    averager = None
+    try:
+        maddrs = visible_maddrs(dht)
+        peer_id = dht.peer_id.to_base58()
+        if cfg.swarm.initial_peers:
+            log.info("peer %s (%s) joined run %r", name, peer_id, cfg.swarm.run_id)
+        else:
+            log.info("started a new swarm for run %r; others join with: --initial-peers %s",
+                     cfg.swarm.run_id, " ".join(maddrs))
+        print("\n".join(maddrs), flush=True)
+        averager = SwarmAverager(cfg.swarm, dht, fingerprint, name)
+        shard = shard_index(cfg.data, cfg.swarm.run_id, name)
+
+        def on_round(record) -> None:
+            status.update(force=True, name=name, peer_id=peer_id, state="training", round=record.round,
+                          step=0, loss=record.train_loss, eval_loss=record.eval_loss, committed=record.committed)
+
+        trainer = Trainer(cfg, averager, peer_id=peer_id, shard=shard, out_dir=out_dir, on_round=on_round)
+
+        def progress(round_: int, step: int, loss: float) -> None:
+            status.update(name=name, peer_id=peer_id, state="training", round=round_, step=step, loss=loss)
+
+        try:
+            trainer.train(progress)
+        finally:
+            summary = peer_summary(trainer.history)
+            summary["name"] = name
+            write_json(out_dir / "peer.json", summary)
+        status.update(force=True, name=name, peer_id=peer_id, state="done", round=trainer.diloco.round, step=0,
+                      loss=None)
+        return write_summary(out_dir, cfg.swarm.run_id, "peer", cfg.to_dict(), time.time() - start, [summary])
+    finally:
+        if averager is not None:
+            averager.close()
+        dht.shutdown()

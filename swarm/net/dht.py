@@ -1,0 +1,173 @@
+"""Starting the DHT: validated addresses, a bounded bootstrap, no orphaned child process.
+
+hivemind's `DHT` runs in a forked child that starts a `p2pd` daemon. Failures we turn into one-line
+errors (measured with hivemind 1.1.12):
+- a malformed multiaddr, or an initial peer without `/p2p/<id>`: `UsageError` naming it, before any
+  process starts;
+- unreachable initial peers: p2pd exits with "failed to connect to bootstrap peers" (0.3-5 s on
+  loopback); a peer that accepts TCP but never answers is bounded by `cfg.bootstrap_timeout`, after
+  which the child is killed. Both raise `SwarmError("initial peers unreachable: ...")`;
+- a host port already in use: `SwarmError` naming the port.
+Every failure path joins (or kills, then joins) the child so no process is left behind.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import ctypes
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+from typing import Optional
+
+import hivemind
+from hivemind.utils.multiaddr import Multiaddr
+from hivemind.utils.timed_storage import get_dht_time
+
+from swarm.config import SwarmConfig
+from swarm.errors import SwarmError, UsageError
+from swarm.net import schema
+
+logger = logging.getLogger(__name__)
+
+
+_fork_scope = threading.local()
+_PR_SET_PDEATHSIG = 1
+
+
+def _after_fork_in_child() -> None:
+    if getattr(_fork_scope, "active", False):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def children_die_with_us():
+    """Processes forked inside this block get SIGKILL when the forking thread dies (Linux prctl).
+
+    hivemind's DHT and averager are forked children that outlive a SIGKILLed (OOM-killed) trainer and
+    keep answering as a ghost peer; their p2pd daemons exit once their client is gone. Fork from a
+    long-lived thread (the trainer's main thread).
+    """
+    if sys.platform != "linux":
+        yield
+        return
+    if not getattr(children_die_with_us, "registered", False):
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+        children_die_with_us.registered = True
+    _fork_scope.active = True
+    try:
+        yield
+    finally:
+        _fork_scope.active = False
+
+
+def _parse_maddrs(key: str, values: list[str], *, need_peer_id: bool = False) -> list[str]:
+    for value in values:
+        try:
+            maddr = Multiaddr(value)
+        except Exception as e:  # multiaddr raises several unrelated types (ValueError, StringParseError, ...)
+            raise UsageError(f"swarm.{key}: malformed multiaddr {value!r} ({e})") from None
+        if need_peer_id and "p2p" not in [p.name for p in maddr.protocols()]:
+            raise UsageError(f"swarm.{key}: {value!r} lacks the /p2p/<peer id> part")
+    return list(values)
+
+
+def _explain(error: BaseException, cfg: SwarmConfig) -> SwarmError:
+    text = str(error)
+    if "address already in use" in text:
+        ports = re.findall(r":(\d+): bind", text)
+        where = f"port {ports[0]}" if ports else f"one of {cfg.host_maddrs}"
+        return SwarmError(f"cannot listen on {where}: address already in use (swarm.host_maddrs)")
+    if "bootstrap" in text or "responded to a ping" in text:
+        return SwarmError(f"initial peers unreachable: {', '.join(cfg.initial_peers)} ({text.splitlines()[0]})")
+    return SwarmError(f"cannot start the DHT: {text.splitlines()[0] if text else type(error).__name__}")
+
+
+def _stop(dht: hivemind.DHT) -> None:
+    """Shut a DHT child down, or kill it when it is stuck in start-up and cannot read its pipe."""
+    if dht.is_alive():
+        dht.terminate()
+    dht.join(5)
+    if dht.is_alive():
+        dht.kill()
+        dht.join(5)
+
+
+def start_dht(cfg: SwarmConfig, *, fingerprint: Optional[str] = None) -> hivemind.DHT:
+    """Start a DHT peer for `cfg`; with `fingerprint`, also claim (or check) the run's fingerprint."""
+    initial = _parse_maddrs("initial_peers", cfg.initial_peers, need_peer_id=True)
+    host = _parse_maddrs("host_maddrs", cfg.host_maddrs)
+    announce = _parse_maddrs("announce_maddrs", cfg.announce_maddrs)
+    dht = hivemind.DHT(
+        initial_peers=initial, start=False, host_maddrs=host, announce_maddrs=announce or None,
+        identity_path=cfg.identity_path, client_mode=cfg.client_mode,
+        record_validators=schema.validators(cfg.run_id),
+        startup_timeout=cfg.bootstrap_timeout,  # p2pd start-up (its default, 15 s, is the usual field failure)
+        bootstrap_timeout=cfg.bootstrap_timeout, ensure_bootstrap_success=bool(initial),
+    )
+    try:
+        with children_die_with_us():
+            dht.run_in_background(await_ready=True, timeout=cfg.bootstrap_timeout)
+    except concurrent.futures.TimeoutError:
+        _stop(dht)
+        raise SwarmError(f"initial peers unreachable: no answer from {', '.join(initial)} "
+                         f"within {cfg.bootstrap_timeout:g} s (swarm.bootstrap_timeout)") from None
+    except Exception as e:  # P2PDaemonError, RuntimeError from DHTNode.create: explained, child reaped
+        _stop(dht)
+        raise _explain(e, cfg) from e
+    if fingerprint is not None:
+        try:
+            check_fingerprint(dht, cfg, fingerprint)
+        except BaseException:
+            dht.shutdown()
+            raise
+    return dht
+
+
+def check_fingerprint(dht: hivemind.DHT, cfg: SwarmConfig, fingerprint: str) -> None:
+    """Refuse to join a run whose stored fingerprint differs; otherwise (re)store ours.
+
+    Two peers racing with different fingerprints both store; the DHT keeps the record with the later
+    expiration, and the re-read after storing makes the loser refuse.
+    """
+    key = schema.run_key(cfg.run_id)
+    for attempt in range(2):
+        found = dht.get(key, latest=True)
+        stored = found.value if found is not None else None
+        if stored is not None and stored != fingerprint:
+            raise SwarmError(f"refusing to join run {cfg.run_id!r}: its model/run settings differ "
+                             f"(fingerprint {stored} != {fingerprint})")
+        if attempt == 0:
+            dht.store(key, fingerprint, expiration_time=get_dht_time() + schema.RUN_RECORD_EXPIRATION)
+
+
+def visible_maddrs(dht: hivemind.DHT) -> list[str]:
+    """Full multiaddrs others can pass as `initial_peers` (each ends with /p2p/<peer id>)."""
+    peer = str(dht.peer_id)
+    out = []
+    for maddr in dht.get_visible_maddrs():
+        text = str(maddr)
+        out.append(text if "/p2p/" in text else f"{text}/p2p/{peer}")
+    return out
+
+
+def run_bootstrap(cfg: SwarmConfig) -> None:
+    """`swarm bootstrap`: a DHT-only peer that prints its multiaddrs and serves until SIGINT/SIGTERM."""
+    dht = start_dht(cfg)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for maddr in visible_maddrs(dht):
+            print(maddr)
+        sys.stdout.flush()
+        while not stop.wait(1.0):
+            if not dht.is_alive():
+                raise SwarmError("the DHT process died")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        dht.shutdown()

@@ -1,0 +1,110 @@
+"""Group formation with hivemind's public `DecentralizedAverager`, used only to agree on a group.
+
+`averager.step(gather=meta)` on a 1-element dummy tensor returns `{peer_id: meta}` in the same order
+on every member (the leader's order). The dummy all-reduce of one float that follows is a cheap barrier:
+when `step` returns, every member has left matchmaking. The real all-reduce runs in allreduce.py.
+
+Round tagging: the averager's group key is `{run_id}_{fingerprint}.0b{round as 32 bits}`.
+- the prefix makes peers of another run, or of this run with other model/run settings, never meet;
+- the group bits are set to the round before every step (`set_group_bits`; hivemind rewrites them
+  after each group), so only peers of the same round meet.
+
+Each member's meta carries a fresh random nonce, so the group id (a hash of the gathered metadata in
+group order) differs on every attempt, also when the same peers retry together.
+
+Timeouts, all from SwarmConfig:
+- `min_matchmaking_time = matchmaking_time`: how long a leader waits for followers;
+- `request_timeout`: a follower's wait for a leader's answer (below matchmaking_time, or leaders deadlock);
+- `allreduce_timeout` / `next_chunk_timeout`: bound hivemind's dummy all-reduce; hivemind's defaults are
+  None, with which a peer killed mid-round left survivors hanging for minutes;
+- `step(timeout=...)`: the caller's deadline for one attempt; `allow_retries=False`, retries are ours.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import hivemind
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.p2p import PeerID
+from hivemind.utils.serializer import MSGPackSerializer
+
+from swarm.config import SwarmConfig
+from swarm.net import schema
+from swarm.net.dht import children_die_with_us
+
+logger = logging.getLogger(__name__)
+
+ROUND_BITS = 32
+
+
+@dataclass
+class Group:
+    group_id: bytes
+    members: list[PeerID]  # same order on every member
+    metas: list[dict[str, Any]]  # members' gathered metadata, same order
+
+
+class NoGroup(Exception):
+    """Matchmaking ended without a group; `alone` is True when nobody else showed up."""
+
+    def __init__(self, reason: str, alone: bool):
+        super().__init__(reason)
+        self.reason, self.alone = reason, alone
+
+
+def round_bits(round: int) -> str:
+    return format(round % 2**ROUND_BITS, f"0{ROUND_BITS}b")
+
+
+def group_id(members: list[PeerID], metas: list[dict]) -> bytes:
+    """Hash of the gathered metadata in group order: equal on every member, fresh on every attempt."""
+    h = hashlib.sha256()
+    for peer, meta in zip(members, metas):
+        h.update(peer.to_bytes())
+        h.update(MSGPackSerializer.dumps(meta))
+    return h.digest()[:16]
+
+
+class Matchmaker:
+    def __init__(self, cfg: SwarmConfig, dht: hivemind.DHT, fingerprint: str):
+        self.cfg = cfg
+        with children_die_with_us():
+            self._averager = DecentralizedAverager(
+                [torch.zeros(1)], dht, start=True,
+                prefix=schema.matchmaking_prefix(cfg.run_id, fingerprint),
+                target_group_size=cfg.target_group_size, min_group_size=cfg.min_group_size,
+                min_matchmaking_time=cfg.matchmaking_time, request_timeout=cfg.request_timeout,
+                allreduce_timeout=cfg.allreduce_timeout, next_chunk_timeout=cfg.request_timeout,
+                allow_state_sharing=False, client_mode=cfg.client_mode, shutdown_timeout=cfg.request_timeout,
+            )
+
+    def form_group(self, round: int, meta: dict[str, Any], timeout: float) -> Group:
+        """Meet the peers of `round` (at most `timeout` s); raise NoGroup if none could be met."""
+        meta = dict(meta, round=round, nonce=os.urandom(8).hex())
+        self._averager.set_group_bits(round_bits(round))
+        start = time.monotonic()
+        try:
+            gathered = self._averager.step(gather=meta, timeout=timeout, allow_retries=False)
+        except Exception as e:  # hivemind raises AllreduceException, MatchmakingException, TimeoutError...
+            alone = "could not find a group" in str(e)
+            raise NoGroup(f"no group for round {round} after {time.monotonic() - start:.1f} s: {e!r}", alone) from e
+        if gathered is None:
+            raise NoGroup(f"no group for round {round}: the averager returned nothing", alone=False)
+        members, metas = list(gathered.keys()), list(gathered.values())
+        if len(members) < 2:
+            raise NoGroup(f"round {round}: only this peer in its group", alone=True)
+        if any(not isinstance(m, dict) or m.get("round") != round for m in metas):
+            raise NoGroup(f"round {round}: a groupmate sent metadata of another round", alone=False)
+        return Group(group_id(members, metas), members, metas)
+
+    def close(self) -> None:
+        if self._averager.is_alive():
+            self._averager.shutdown()
+        self._averager.join(self.cfg.request_timeout)

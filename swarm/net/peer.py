@@ -1,0 +1,249 @@
+"""`SwarmAverager`: the trainer's `Averager` over a hivemind DHT.
+
+A background thread runs an asyncio loop that holds a P2P replica of the DHT's daemon, the all-reduce
+handlers (allreduce.py) and a state server. The trainer's thread calls in with bounded waits:
+
+- `average()`: matchmaking for the round (matchmaking.py), then the bit-identical all-reduce; on
+  failure it retries with whoever is still alive and the ORIGINAL pseudo-gradient until
+  `cfg.round_timeout`, after which the round is discarded (averaged=None) rather than half-averaged.
+  A peer that meets nobody looks at the progress records: peers at a higher round -> `behind=True`
+  (fetch the state); peers at this round -> keep looking; nobody -> it applies its own step ("alone").
+- `publish_progress()`: a `ProgressRecord` under `{run_id}_progress`, expiring after
+  `cfg.progress_expiration` so a dead peer stops being waited for.
+- `offer_state()` serializes once (torch.save + sha256) and keeps the bytes in memory, so serving a
+  newcomer never blocks a round; `fetch_state()` tries donors freshest first, each bounded by
+  `cfg.state_timeout`, and refuses a state whose checksum, round or `validate()` fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import io
+import logging
+import random
+import threading
+import time
+from typing import Any, AsyncIterator, Callable, Optional
+
+import hivemind
+import torch
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.timed_storage import get_dht_time
+
+from swarm.averaging import Averager, RoundOutcome
+from swarm.config import SwarmConfig
+from swarm.net import schema
+from swarm.net.allreduce import AllReduce, AllReduceFailed
+from swarm.net.codec import get_codec
+from swarm.net.matchmaking import Matchmaker, NoGroup
+
+logger = logging.getLogger(__name__)
+
+STATE_CHUNK_BYTES = 2**20
+
+
+class SwarmAverager(Averager):
+    def __init__(self, cfg: SwarmConfig, dht: hivemind.DHT, fingerprint: str, peer_name: str):
+        self.cfg, self.dht, self.fingerprint, self.peer_name = cfg, dht, fingerprint, peer_name
+        self.peer_id = str(dht.peer_id)
+        codec = get_codec(cfg.compression)
+        self._state_handler = schema.handler_name(cfg.run_id, fingerprint, "state")
+        self._offered: Optional[tuple[int, bytes, str]] = None  # (round, torch.save bytes, sha256 hex)
+        # The averager forks a process: create it before our thread exists.
+        self._matchmaker = Matchmaker(cfg, dht, fingerprint)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="swarm-net", daemon=True)
+        self._thread.start()
+        try:
+            self._p2p = self._call(dht.replicate_p2p(), cfg.bootstrap_timeout)
+            self._allreduce = AllReduce(self._p2p, schema.handler_name(cfg.run_id, fingerprint, "ar"), codec,
+                                        cfg.allreduce_timeout)
+            self._call(self._start_handlers(), cfg.bootstrap_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _call(self, coro, timeout: float):
+        """Run `coro` on the network thread; wait at most `timeout` s (then cancel it and raise TimeoutError)."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"network call did not finish within {timeout:g} s") from None
+
+    async def _start_handlers(self) -> None:
+        await self._allreduce.start()
+        await self._p2p.add_protobuf_handler(self._state_handler, self._rpc_state, averaging_pb2.DownloadRequest,
+                                             stream_output=True)
+
+    # ---- averaging ------------------------------------------------------------------------------------
+
+    def average(self, round: int, pseudo_grad: list[torch.Tensor], samples: int) -> RoundOutcome:
+        start = time.monotonic()
+        deadline = start + self.cfg.round_timeout
+        shapes = [t.shape for t in pseudo_grad]
+        flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in pseudo_grad])
+        if not self._local_ok(flat, samples):
+            return RoundOutcome(None, note="local pseudo-gradient or sample count is not finite; not sent")
+        sent = received = 0
+        reason = "round_timeout too short for one attempt"
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                group = self._matchmaker.form_group(
+                    round, {"samples": int(samples), "numel": flat.numel()},
+                    timeout=min(left, 2 * self.cfg.matchmaking_time))
+            except NoGroup as e:
+                reason = e.reason
+                if e.alone:
+                    ahead, here = self._swarm_position(round)
+                    if ahead:
+                        return RoundOutcome(None, comm_s=time.monotonic() - start, behind=True,
+                                            note=f"behind: peers are at round {max(ahead)} > {round}")
+                    if not here:
+                        return RoundOutcome([t.clone() for t in pseudo_grad], total_samples=samples,
+                                            comm_s=time.monotonic() - start, note="alone")
+                logger.info(f"round {round}: {reason}; retrying")
+                continue
+            try:
+                if any(m.get("numel") != flat.numel() for m in group.metas):
+                    raise AllReduceFailed(f"groupmates average vectors of other sizes: "
+                                          f"{[m.get('numel') for m in group.metas]}")
+                result = self._call(self._allreduce.run(group.group_id, group.members, flat, float(samples)),
+                                    self.cfg.allreduce_timeout + self.cfg.request_timeout)
+            except (AllReduceFailed, TimeoutError) as e:
+                reason = str(e)
+                logger.warning(f"round {round}: all-reduce in a group of {len(group.members)} failed: {e}; retrying")
+                continue
+            sent += result.bytes_sent
+            received += result.bytes_received
+            averaged = [part.view(shape).clone() for part, shape in
+                        zip(result.tensor.split([s.numel() for s in shapes]), shapes)]
+            return RoundOutcome(averaged, group_size=len(group.members),
+                                total_samples=sum(int(m.get("samples", 0)) for m in group.metas),
+                                bytes_sent=sent, bytes_received=received, comm_s=time.monotonic() - start,
+                                note=f"group of {len(group.members)}")
+        return RoundOutcome(None, bytes_sent=sent, bytes_received=received, comm_s=time.monotonic() - start,
+                            note=f"round {round} discarded after {self.cfg.round_timeout:g} s "
+                                 f"(swarm.round_timeout): {reason}")
+
+    def _local_ok(self, flat: torch.Tensor, samples: int) -> bool:
+        """Never send a non-finite pseudo-gradient: peers would reject it and the whole group's round fails."""
+        return bool(torch.isfinite(flat).all()) and samples >= 0
+
+    # ---- progress -------------------------------------------------------------------------------------
+
+    def publish_progress(self, round: int, inner_step: int, samples: int, samples_per_s: float) -> None:
+        now = get_dht_time()
+        record = schema.ProgressRecord(
+            peer_id=self.peer_id, name=self.peer_name, round=round, inner_step=inner_step, samples=samples,
+            samples_per_s=float(samples_per_s), time=float(now), serves_state=self._offered is not None)
+        future = self.dht.store(schema.progress_key(self.cfg.run_id), record.dict(), subkey=self.peer_id,
+                                expiration_time=now + self.cfg.progress_expiration, return_future=True)
+        try:
+            if not future.result(timeout=self.cfg.request_timeout):
+                logger.warning("progress record was not stored (no DHT peer accepted it)")
+        except concurrent.futures.TimeoutError:
+            logger.warning(f"progress record not confirmed within {self.cfg.request_timeout:g} s")
+
+    def peers(self) -> list[schema.ProgressRecord]:
+        """Live progress records of the other peers of this run."""
+        found = self.dht.get(schema.progress_key(self.cfg.run_id), latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        now, records = get_dht_time(), []
+        for subkey, item in found.value.items():
+            record = schema.parse_progress(item.value)
+            if record is not None and record.peer_id == subkey != self.peer_id and item.expiration_time > now:
+                records.append(record)
+        return records
+
+    def _swarm_position(self, round: int) -> tuple[list[int], list[str]]:
+        """(rounds of live peers ahead of `round`, names of live peers at `round`)."""
+        records = self.peers()
+        return [r.round for r in records if r.round > round], [r.name for r in records if r.round == round]
+
+    # ---- state ----------------------------------------------------------------------------------------
+
+    def offer_state(self, round: int, state: dict[str, Any]) -> None:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        blob = buffer.getvalue()
+        self._offered = (round, blob, hashlib.sha256(blob).hexdigest())
+
+    async def _rpc_state(self, request: averaging_pb2.DownloadRequest,
+                         context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        offered = self._offered  # one atomic read: a new offer does not disturb a download in progress
+        if offered is None:
+            yield averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(None))
+            return
+        round, blob, digest = offered
+        meta = MSGPackSerializer.dumps({"round": round, "size": len(blob), "sha256": digest})
+        yield averaging_pb2.DownloadData(metadata=meta)
+        for start in range(0, len(blob), STATE_CHUNK_BYTES):
+            chunk = runtime_pb2.Tensor(buffer=blob[start:start + STATE_CHUNK_BYTES])
+            yield averaging_pb2.DownloadData(tensor_part=chunk)
+
+    async def _download(self, peer: PeerID) -> tuple[dict, bytes]:
+        stream = await self._p2p.iterate_protobuf_handler(peer, self._state_handler, averaging_pb2.DownloadRequest(),
+                                                          averaging_pb2.DownloadData)
+        meta, chunks, size = None, [], 0
+        async for message in stream:
+            if meta is None:
+                meta = MSGPackSerializer.loads(message.metadata)
+                if not isinstance(meta, dict):
+                    raise ValueError("the donor offers no state")
+                continue
+            chunks.append(message.tensor_part.buffer)
+            size += len(message.tensor_part.buffer)
+            if size > meta["size"]:
+                raise ValueError(f"the donor sent more than the announced {meta['size']} bytes")
+        if meta is None:
+            raise ValueError("the donor sent nothing")
+        return meta, b"".join(chunks)
+
+    def fetch_state(self, newer_than: int, validate: Callable[[dict], None]) -> Optional[dict[str, Any]]:
+        donors = [r for r in self.peers() if r.round > newer_than and r.serves_state]
+        donors.sort(key=lambda r: (-r.round, random.random()))  # freshest first; spread newcomers over ties
+        for donor in donors:
+            try:
+                meta, blob = self._call(self._download(PeerID.from_base58(donor.peer_id)), self.cfg.state_timeout)
+                if len(blob) != meta["size"] or hashlib.sha256(blob).hexdigest() != meta["sha256"]:
+                    raise ValueError("checksum mismatch")
+                if not meta["round"] > newer_than:
+                    raise ValueError(f"it offers round {meta['round']}, not newer than {newer_than}")
+                state = torch.load(io.BytesIO(blob), weights_only=True)
+                if not isinstance(state, dict):
+                    raise ValueError(f"state is a {type(state).__name__}, not a dict")
+                validate(state)
+            except Exception as e:  # any failure of one donor (network, checksum, unpickling, validate): next donor
+                logger.warning(f"state from {donor.name} ({donor.peer_id}) refused: {e!r}")
+                continue
+            logger.info(f"fetched the state of round {meta['round']} from {donor.name}")
+            return state
+        return None
+
+    # ---- shutdown -------------------------------------------------------------------------------------
+
+    async def _stop_handlers(self) -> None:
+        if hasattr(self, "_allreduce"):
+            await self._allreduce.stop()
+            await self._p2p.remove_protobuf_handler(self._state_handler, stream_output=True)
+        if hasattr(self, "_p2p"):
+            await self._p2p.shutdown()  # a replica: closes our client, the DHT's daemon keeps running
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            try:
+                self._call(self._stop_handlers(), self.cfg.request_timeout)
+            except Exception as e:  # the daemon may be gone already; shutting down anyway
+                logger.warning(f"closing the network handlers failed: {e!r}")
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(self.cfg.request_timeout)
+        if not self._thread.is_alive() and not self._loop.is_closed():
+            self._loop.close()
+        self._matchmaker.close()

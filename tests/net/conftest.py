@@ -1,0 +1,132 @@
+"""Fixtures for network tests: a bootstrap DHT and a launcher for peer processes, all cleaned up."""
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from swarm.config import SwarmConfig
+from swarm.net.dht import start_dht, visible_maddrs
+
+REPO = Path(__file__).resolve().parents[2]
+PEER_SCRIPT = Path(__file__).with_name("peer_proc.py")
+
+FAST = dict(matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=5.0, round_timeout=30.0,
+            state_timeout=5.0, bootstrap_timeout=10.0, progress_expiration=30.0, target_group_size=3)
+
+
+def fast_cfg(**overrides) -> SwarmConfig:
+    return SwarmConfig(**{**FAST, **overrides})
+
+
+@pytest.fixture
+def bootstrap():
+    dht = start_dht(fast_cfg())
+    try:
+        yield visible_maddrs(dht)
+    finally:
+        dht.shutdown()
+
+
+@pytest.fixture
+def stock_bootstrap():
+    """A stock `hivemind-dht` process (the venv's console script) on loopback."""
+    exe = Path(sys.executable).with_name("hivemind-dht")
+    proc = subprocess.Popen([str(exe), "--host_maddrs", "/ip4/127.0.0.1/tcp/0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, maddr = time.monotonic() + 30, None
+        while maddr is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+            found = re.search(r"/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+", line)
+            maddr = found.group(0) if found else None
+        assert maddr, "hivemind-dht printed no multiaddr"
+        yield [maddr]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+class Peers:
+    """Launch peer_proc.py children; `go()` releases them together; every child is reaped at the end."""
+
+    def __init__(self, tmp: Path):
+        self.tmp, self.procs, self.jobs = tmp, [], []
+
+    def start(self, name: str, initial_peers: list[str], *, seed: int, samples: int, numel: int,
+              mode: str = "honest", round: int = 0, fingerprint: str = "fp-test", **cfg) -> dict:
+        job = dict(name=name, mode=mode, seed=seed, samples=samples, numel=numel, round=round,
+                   fingerprint=fingerprint, cfg={**FAST, "initial_peers": initial_peers, **cfg},
+                   ready=str(self.tmp / f"{name}.ready"), go=str(self.tmp / "go"),
+                   out=str(self.tmp / f"{name}.pt"), marker=str(self.tmp / f"{name}.marker"))
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        log = open(self.tmp / f"{name}.log", "w")
+        # own process group: cleanup also reaches the peer's DHT, averager and p2pd children
+        self.procs.append(subprocess.Popen([sys.executable, str(PEER_SCRIPT), json.dumps(job)], cwd=REPO,
+                                           env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        log.close()
+        self.jobs.append(job)
+        return job
+
+    def go(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not all(Path(j["ready"]).exists() for j in self.jobs):
+            for job, proc in zip(self.jobs, self.procs):
+                assert proc.poll() is None, f"{job['name']} died early:\n{self.log(job)}"
+            assert time.monotonic() < deadline, "peers did not start in time"
+            time.sleep(0.1)
+        (self.tmp / "go").touch()
+
+    def wait(self, job: dict, timeout: float) -> dict:
+        import torch
+        proc = self.procs[self.jobs.index(job)]
+        proc.wait(timeout)
+        assert proc.returncode == 0, f"{job['name']} exited with {proc.returncode}:\n{self.log(job)}"
+        return torch.load(job["out"], weights_only=False)
+
+    def log(self, job: dict) -> str:
+        return (self.tmp / f"{job['name']}.log").read_text()[-4000:]
+
+    def kill(self, job: dict) -> None:
+        """SIGKILL the peer's main process only (its children must notice and die with it)."""
+        self.procs[self.jobs.index(job)].send_signal(signal.SIGKILL)
+
+    def group_gone(self, job: dict, timeout: float) -> bool:
+        """Whether every process of the peer's group (DHT, averager, p2pd) has exited."""
+        pgid, deadline = self.procs[self.jobs.index(job)].pid, time.monotonic() + timeout
+        self.procs[self.jobs.index(job)].wait(timeout)
+        while time.monotonic() < deadline:
+            alive = subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True).stdout.split()
+            if not alive:
+                return True
+            time.sleep(0.2)
+        return False
+
+    def cleanup(self) -> None:
+        for proc in self.procs:
+            with contextlib.suppress(ProcessLookupError):  # the group may be gone already
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture
+def peers(tmp_path):
+    launcher = Peers(tmp_path)
+    try:
+        yield launcher
+    finally:
+        launcher.cleanup()

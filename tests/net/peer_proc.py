@@ -1,0 +1,76 @@
+"""One swarm peer in its own process, driven by tests/net: `python peer_proc.py '<json job>'`.
+
+The job names the config overrides, the vector (seeded), the round and a mode:
+- "honest": average the vector;
+- "nan": a hostile peer that skips the local finiteness check and sends a NaN;
+- "victim": pushes one part only, tells the test (marker file) and waits to be SIGKILLed.
+The result goes to `out` (torch.save); `ready` marks that the peer is up, and it starts averaging when
+the file `go` appears, so all peers of a test enter matchmaking together.
+"""
+
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from swarm.config import SwarmConfig
+from swarm.net import allreduce
+from swarm.net.dht import start_dht
+from swarm.net.peer import SwarmAverager
+
+
+def make_vector(seed: int, numel: int) -> list[torch.Tensor]:
+    flat = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    return [flat[: numel // 3].clone(), flat[numel // 3:].reshape(-1, 1).clone()]  # two shapes: unflatten
+
+
+def main(job: dict) -> None:
+    cfg = SwarmConfig(**job["cfg"])
+    dht = start_dht(cfg, fingerprint=job["fingerprint"])
+    averager = SwarmAverager(cfg, dht, job["fingerprint"], job["name"])
+    try:
+        if job["mode"] == "nan":
+            averager._local_ok = lambda flat, samples: True
+        if job["mode"] == "victim":
+            push, pushed = allreduce.AllReduce._push, []
+
+            async def push_one_then_hang(self, group, j, msg, weight):
+                if not pushed:  # the first groupmate gets our part, the others never do
+                    pushed.append(j)
+                    return await push(self, group, j, msg, weight)
+                Path(job["marker"]).touch()
+                await asyncio.sleep(3600)
+            allreduce.AllReduce._push = push_one_then_hang
+        run = averager._allreduce.run
+        timings = []
+
+        async def timed_run(*args):
+            start = time.perf_counter()
+            try:
+                return await run(*args)
+            finally:
+                timings.append(time.perf_counter() - start)
+        averager._allreduce.run = timed_run
+
+        grad = make_vector(job["seed"], job["numel"])
+        if job["mode"] == "nan":
+            grad[0][3] = float("nan")
+        averager.publish_progress(job["round"], 0, job["samples"], 1.0)
+        Path(job["ready"]).touch()
+        while not os.path.exists(job["go"]):
+            time.sleep(0.05)
+        start = time.monotonic()
+        outcome = averager.average(job["round"], grad, job["samples"])
+        torch.save({"outcome": outcome.__dict__, "wall_s": time.monotonic() - start, "allreduce_s": timings},
+                   job["out"])
+    finally:
+        averager.close()
+        dht.shutdown()
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

@@ -1,0 +1,99 @@
+"""start_dht: address validation, unreachable peers, busy port, run fingerprint, bootstrap command."""
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO, fast_cfg
+
+from swarm.errors import SwarmError, UsageError
+from swarm.net.dht import start_dht, visible_maddrs
+
+FAKE_ID = "QmXfANcrDYnt5LTXKPtBALa9aXuZUrNNkRHZP6JWw9tYTE"
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("key,value", [("initial_peers", "/ip4/1.2.3/tcp/5"), ("initial_peers", "/ip4/127.0.0.1/tcp/5"),
+                                       ("host_maddrs", "not-a-multiaddr"), ("announce_maddrs", "/ip4/x")])
+def test_malformed_multiaddr_is_a_usage_error(key, value):
+    with pytest.raises(UsageError, match=key):
+        start_dht(fast_cfg(**{key: [value]}))
+
+
+@pytest.mark.timeout(40)
+def test_unreachable_initial_peer_fails_within_bootstrap_timeout():
+    silent = socket.socket()  # accepts TCP, never speaks libp2p
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, not listening: connection refused
+    try:
+        for sock in (silent, closed):
+            port = sock.getsockname()[1]
+            start = time.monotonic()
+            with pytest.raises(SwarmError, match="initial peers unreachable"):
+                start_dht(fast_cfg(initial_peers=[f"/ip4/127.0.0.1/tcp/{port}/p2p/{FAKE_ID}"], bootstrap_timeout=8.0))
+            assert time.monotonic() - start < 8.0 + 5.0
+    finally:
+        silent.close()
+        closed.close()
+
+
+@pytest.mark.timeout(20)
+def test_port_in_use_names_the_port():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    port = sock.getsockname()[1]
+    try:
+        with pytest.raises(SwarmError, match=f"port {port}"):
+            start_dht(fast_cfg(host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"]))
+    finally:
+        sock.close()
+
+
+@pytest.mark.timeout(30)
+def test_fingerprint_mismatch_is_refused(bootstrap):
+    first = start_dht(fast_cfg(initial_peers=bootstrap), fingerprint="aaaa")
+    try:
+        with pytest.raises(SwarmError, match=r"refusing to join run 'swarm-tiny'.*fingerprint aaaa != bbbb"):
+            start_dht(fast_cfg(initial_peers=bootstrap), fingerprint="bbbb")
+        same = start_dht(fast_cfg(initial_peers=bootstrap), fingerprint="aaaa")
+        same.shutdown()
+        other_run = start_dht(fast_cfg(initial_peers=bootstrap, run_id="other"), fingerprint="bbbb")
+        other_run.shutdown()
+    finally:
+        first.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_identity_file_fixes_the_peer_id(tmp_path):
+    cfg = fast_cfg(identity_path=str(tmp_path / "id.key"))
+    ids = []
+    for _ in range(2):
+        dht = start_dht(cfg)
+        ids.append(visible_maddrs(dht)[0].split("/p2p/")[1])
+        dht.shutdown()
+    assert ids[0] == ids[1]
+
+
+@pytest.mark.timeout(40)
+def test_run_bootstrap_prints_maddrs_and_stops_on_sigterm():
+    code = "from swarm.config import SwarmConfig; from swarm.net.dht import run_bootstrap; run_bootstrap(SwarmConfig())"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    try:
+        line = proc.stdout.readline().strip()
+        assert line.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/" in line
+        peer = start_dht(fast_cfg(initial_peers=[line]))  # others can join through it
+        peer.shutdown()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stdout.close()

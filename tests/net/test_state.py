@@ -1,0 +1,69 @@
+"""offer_state / fetch_state between two SwarmAveragers (one process) and progress-based decisions."""
+
+import pytest
+import torch
+from conftest import fast_cfg
+
+from swarm.net.dht import start_dht
+from swarm.net.peer import SwarmAverager
+
+
+@pytest.fixture(scope="module")
+def pair(bootstrap_module):
+    cfg = fast_cfg(initial_peers=bootstrap_module)
+    dhts, averagers = [], []
+    try:
+        for name in ("donor", "newcomer"):
+            dhts.append(start_dht(cfg, fingerprint="fp"))
+            averagers.append(SwarmAverager(cfg, dhts[-1], "fp", name))
+        yield averagers
+    finally:
+        for averager in averagers:
+            averager.close()
+        for dht in dhts:
+            dht.shutdown()
+
+
+@pytest.fixture(scope="module")
+def bootstrap_module():
+    dht = start_dht(fast_cfg())
+    try:
+        from swarm.net.dht import visible_maddrs
+        yield visible_maddrs(dht)
+    finally:
+        dht.shutdown()
+
+
+def fits(state):
+    if state["w"].shape != (4, 4):
+        raise ValueError(f"w has shape {tuple(state['w'].shape)}")
+
+
+@pytest.mark.timeout(60)
+def test_state_round_trip_then_refusals(pair):
+    donor, newcomer = pair
+    assert newcomer.fetch_state(-1, fits) is None  # nobody offers anything yet
+    state = {"round": 3, "w": torch.randn(4, 4), "meta": {"lr": 0.5}}
+    donor.offer_state(3, state)
+    donor.publish_progress(4, 0, 0, 0.0)
+    got = newcomer.fetch_state(2, fits)
+    assert got is not None and torch.equal(got["w"], state["w"]) and got["meta"] == {"lr": 0.5}
+    assert newcomer.fetch_state(4, fits) is None  # not newer than what we have
+    donor.offer_state(3, {"round": 3, "w": torch.randn(2, 2)})  # does not fit this peer's model
+    assert newcomer.fetch_state(2, fits) is None
+    round_, blob, digest = donor._offered
+    donor._offered = (round_, blob[:-1] + bytes([blob[-1] ^ 1]), digest)  # corrupted after its checksum
+    assert newcomer.fetch_state(2, fits) is None
+
+
+@pytest.mark.timeout(60)
+def test_alone_and_behind(pair):
+    donor, newcomer = pair
+    grad = [torch.ones(3), torch.zeros(2, 2)]
+    donor.publish_progress(7, 0, 0, 0.0)
+    outcome = newcomer.average(5, grad, 10)  # the swarm is at round 7: fetch the state instead
+    assert outcome.averaged is None and outcome.behind, outcome.note
+    outcome = newcomer.average(9, grad, 10)  # nobody at round 9 or beyond: apply our own step
+    assert outcome.note == "alone" and all(torch.equal(a, b) for a, b in zip(outcome.averaged, grad))
+    bad = newcomer.average(9, [torch.tensor([float("nan")])], 10)
+    assert bad.averaged is None and "not finite" in bad.note

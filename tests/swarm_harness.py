@@ -1,0 +1,70 @@
+"""Real peers on loopback for tests: a bootstrap and `swarm peer` processes, always cleaned up."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from peers.local_swarm import Child, bootstrap_maddr, spawn_child, stop_children
+
+# A model and run that make a 3-peer round take a few seconds on 2 cores.
+SMALL = ["--model.hidden_size", "32", "--model.num_layers", "1", "--model.num_heads", "2",
+         "--model.intermediate_size", "64", "--model.max_seq_len", "32", "--data.seq_len", "32",
+         "--data.max_documents", "80", "--data.eval_batches", "2", "--inner.warmup_steps", "2",
+         "--diloco.threads", "1", "--logging.progress_bar", "false",
+         "--swarm.matchmaking_time", "3", "--swarm.request_timeout", "1", "--swarm.allreduce_timeout", "10",
+         "--swarm.round_timeout", "40", "--swarm.progress_expiration", "20"]
+
+
+class Swarm:
+    def __init__(self, root: Path):
+        self.root, self.children, self.maddr = root, [], None
+
+    def start_bootstrap(self) -> str:
+        log = self.root / "bootstrap.log"
+        child = spawn_child("bootstrap", ["bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], log)
+        self.children.append(child)
+        self.maddr = bootstrap_maddr(child, log)
+        return self.maddr
+
+    def start_peer(self, name: str, *overrides: str, config: str = "configs/tiny.yaml") -> Child:
+        out = self.root / name
+        argv = ["peer", "--config", config, *SMALL, *overrides, "--initial-peers", self.maddr,
+                "--name", name, "--out", str(out)]
+        child = spawn_child(name, argv, out / "log.txt", out)
+        self.children.append(child)
+        return child
+
+    def wait(self, children: list[Child], timeout: float) -> None:
+        deadline = time.time() + timeout
+        for child in children:
+            remaining = deadline - time.time()
+            assert remaining > 0, f"{child.name} still running after {timeout}s:\n{self.log(child)[-3000:]}"
+            child.proc.wait(timeout=remaining)
+
+    @staticmethod
+    def log(child: Child) -> str:
+        child.log.flush()
+        return (child.out_dir / "log.txt").read_text() if child.out_dir else ""
+
+    @staticmethod
+    def summary(child: Child) -> dict:
+        return json.loads((child.out_dir / "peer.json").read_text())
+
+    @staticmethod
+    def dumps(child: Child) -> list[dict]:
+        return [torch.load(p, weights_only=False) for p in sorted((child.out_dir / "tensors").glob("attempt-*.pt"))]
+
+
+@contextlib.contextmanager
+def local_swarm(root: Path) -> Iterator[Swarm]:
+    swarm = Swarm(root)
+    try:
+        yield swarm
+    finally:
+        stop_children(swarm.children)
