@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import IO, Optional
 
 from swarm.config import Config
-from swarm.errors import SwarmError
+from swarm.errors import SwarmError, UsageError
 from swarm.report import format_table, write_summary
 
 BOOTSTRAP_TIMEOUT_S = 60.0  # the bootstrap prints its multiaddrs within seconds; past this it is broken
@@ -93,32 +94,79 @@ def _status_line(peers: list[Child], rounds: int, inner_steps: int) -> str:
     return " | ".join(cells)
 
 
-def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int, out_dir: Path) -> Path:
+@dataclass
+class Kill:
+    """`--kill PEER@ROUND[:allreduce]`: peer PEER SIGKILLs itself in round ROUND (inner steps or all-reduce)."""
+
+    peer: int
+    round: int
+    phase: str
+
+    @classmethod
+    def parse(cls, text: str) -> Kill:
+        match = re.fullmatch(r"(\d+)@(\d+)(?::(allreduce|inner))?", text)
+        if match is None:
+            raise UsageError(f"cannot read --kill {text!r}: expected PEER@ROUND or PEER@ROUND:allreduce")
+        return cls(int(match[1]), int(match[2]), match[3] or "inner")
+
+
+def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int, out_dir: Path,
+              kills: list[str] = (), joins: list[int] = ()) -> Path:
     if n_peers < 1:
-        raise SwarmError(f"--peers must be >= 1, got {n_peers}")
+        raise UsageError(f"--peers must be >= 1, got {n_peers}")
+    kill_plan = {k.peer: k for k in map(Kill.parse, kills)}
+    for k in kill_plan.values():
+        if not (0 <= k.peer < n_peers and 1 <= k.round <= cfg.diloco.rounds):
+            raise UsageError(f"--kill {k.peer}@{k.round}: no peer {k.peer} or round {k.round} in this swarm")
+    pending_joins = sorted(joins)
     start = time.time()
     out_dir.mkdir(parents=True, exist_ok=True)
     children: list[Child] = []
+    peers: list[Child] = []
+    events: list[dict] = []
+
+    def event(kind: str, **fields) -> None:
+        events.append({"event": kind, "time": time.time(), **fields})
+        print(f"[{time.time() - start:5.0f}s] {kind}: {fields}", flush=True)
+
     try:
         boot_log = out_dir / "bootstrap.log"
         boot = spawn_child("bootstrap", ["bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], boot_log)
         children.append(boot)
         maddr = bootstrap_maddr(boot, boot_log)
         print(f"bootstrap at {maddr}", flush=True)
-        # Each peer gets its own shard; the group covers the whole swarm so a round never waits for stragglers.
+        # Each peer gets its own shard; the group covers the whole swarm (joiners included), so a round
+        # forms as soon as every live peer is ready instead of waiting out the matchmaking time.
         common = ["peer", "--config", config_path, *overrides, "--initial-peers", maddr,
-                  "--swarm.target_group_size", str(max(n_peers, 2)), "--diloco.threads", "1",
-                  "--logging.progress_bar", "false"]
-        peers = []
-        for i in range(n_peers):
+                  "--swarm.target_group_size", str(max(n_peers + len(pending_joins), 2)),
+                  "--diloco.threads", "1", "--logging.progress_bar", "false"]
+
+        def start_peer(i: int, *extra: str) -> Child:
             peer_dir = out_dir / f"peer-{i}"
-            peers.append(spawn_child(f"peer-{i}", [*common, "--name", f"peer-{i}", "--out", str(peer_dir),
-                                              "--data.shard", str(i)], peer_dir / "log.txt", peer_dir))
-        children += peers
+            child = spawn_child(f"peer-{i}", [*common, *extra, "--name", f"peer-{i}", "--out", str(peer_dir),
+                                              "--data.shard", str(i)], peer_dir / "log.txt", peer_dir)
+            children.append(child)
+            peers.append(child)
+            return child
+
+        for i in range(n_peers):
+            k = kill_plan.get(i)
+            start_peer(i, *(["--faults.kill_round", str(k.round), "--faults.kill_phase", k.phase] if k else []))
         print(f"started {n_peers} peers; logs in {out_dir}/peer-*/log.txt", flush=True)
 
-        interactive, last_print = sys.stdout.isatty(), 0.0
+        interactive, last_print, seen_dead = sys.stdout.isatty(), 0.0, set()
         while any(p.proc.poll() is None for p in peers):
+            statuses = [_read_json(p.out_dir / "status.json") or {} for p in peers]
+            committed = max((s.get("round", 0) for s in statuses), default=0)
+            while pending_joins and committed >= pending_joins[0] - 1:
+                child = start_peer(len(peers))
+                event("join", peer=child.name, round=pending_joins.pop(0))
+            for p in peers:
+                if p.proc.poll() is not None and p.name not in seen_dead:
+                    seen_dead.add(p.name)
+                    k = kill_plan.get(int(p.name.split("-")[1]))
+                    if p.proc.returncode == -signal.SIGKILL and k is not None:
+                        event("kill", peer=p.name, round=k.round, phase=k.phase)
             line = _status_line(peers, cfg.diloco.rounds, cfg.diloco.inner_steps)
             if interactive:
                 print("\r\033[K" + line[: os.get_terminal_size().columns - 1], end="", flush=True)
@@ -128,23 +176,48 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int,
             time.sleep(0.5)
         if interactive:
             print()
-        failed = [p for p in peers if p.proc.returncode != 0]
+        for round_ in pending_joins:
+            event("join_skipped", round=round_, reason="the swarm finished before that round")
+        killed = {e["peer"] for e in events if e["event"] == "kill"}
+        failed = [p for p in peers if p.proc.returncode != 0 and p.name not in killed]
         for p in failed:
             tail = (p.out_dir / "log.txt").read_text().strip().splitlines()[-1:]
             print(f"{p.name} exited with status {p.proc.returncode}: {tail[0] if tail else ''}", flush=True)
     finally:
         stop_children(children)
 
-    summaries = [s for s in (_read_json(p.out_dir / "peer.json") for p in peers) if s is not None]
+    summaries = []
+    for p in peers:
+        summary = _read_json(p.out_dir / "peer.json")
+        if summary is not None:
+            summaries.append(summary)
+            events += [{**e, "peer": p.name} for e in summary.get("events", [])]
     if not summaries:
         raise SwarmError(f"no peer finished; see the logs in {out_dir}")
+    events.sort(key=lambda e: e["time"])
     path = write_summary(out_dir, cfg.swarm.run_id, f"local x{n_peers}", cfg.to_dict(), time.time() - start,
-                         summaries)
+                         summaries, events, fault_report(events, summaries))
     print(format_table(summaries))
     hashes = {s["final_global_sha256"] for s in summaries}
     print(f"final global parameters: {'identical on every peer' if len(hashes) == 1 else 'DIFFER'} "
           f"({len(summaries)} peers, wall {time.time() - start:.0f}s)")
     if failed:
-        raise SwarmError(f"{len(failed)} of {n_peers} peers failed ({', '.join(p.name for p in failed)}); "
+        raise SwarmError(f"{len(failed)} of {len(peers)} peers failed ({', '.join(p.name for p in failed)}); "
                          f"summary in {path}")
     return path
+
+
+def fault_report(events: list[dict], summaries: list[dict]) -> dict:
+    """What the swarm did about each injected fault: time to the next committed round, time to contribute."""
+    report = {}
+    commits = sorted((r["time"], s.get("name"), r) for s in summaries for r in s["rounds"] if r["committed"])
+    for e in events:
+        if e["event"] == "kill":
+            after = [t for t, name, r in commits if t > e["time"] and name != e["peer"]]
+            report[f"kill {e['peer']}"] = {"s_to_next_committed_round": after[0] - e["time"] if after else None}
+        elif e["event"] == "join":
+            joined = [(t, r) for t, name, r in commits if name == e["peer"] and r["group_size"] > 1]
+            report[f"join {e['peer']}"] = {
+                "s_to_first_contribution": joined[0][0] - e["time"] if joined else None,
+                "first_round": joined[0][1]["round"] if joined else None}
+    return report

@@ -71,7 +71,7 @@ def run_peer(cfg: Config, out_dir: Path, name: Optional[str]) -> Path:
             log.info("started a new swarm for run %r; others join with: --initial-peers %s",
                      cfg.swarm.run_id, " ".join(maddrs))
         print("\n".join(maddrs), flush=True)
-        averager = SwarmAverager(cfg.swarm, dht, fingerprint, name)
+        averager = SwarmAverager(cfg.swarm, dht, fingerprint, name, cfg.faults)
         shard = shard_index(cfg.data, cfg.swarm.run_id, name)
 
         def on_round(record) -> None:

@@ -30,17 +30,31 @@ class RoundOutcome:
     comm_s: float = 0.0  # time in matchmaking and all-reduce
     behind: bool = False  # the swarm has moved past this round: fetch the state instead of retrying
     note: str = ""  # why the round was discarded, or who averaged
+    # swarm.error_feedback with a lossy codec: what this peer's contribution lost to quantization on the
+    # wire (its pseudo-gradient minus what the reducers decoded), shaped like it; the trainer adds it to
+    # the next round's pseudo-gradient. None: nothing was lost (or error feedback is off).
+    residual: Optional[list[torch.Tensor]] = None
 
 
 class Averager(ABC):
     """What the trainer needs from the swarm. The trainer never sees the DHT."""
 
+    networked = False  # True where `fetch_state` can replace a lost or corrupt checkpoint
+
     @abstractmethod
     def average(self, round: int, pseudo_grad: list[torch.Tensor], samples: int) -> RoundOutcome:
         """Average `pseudo_grad` (weighted by `samples`) with the peers of `round`."""
 
-    def publish_progress(self, round: int, inner_step: int, samples: int, samples_per_s: float) -> None:
-        """Tell the swarm how far this peer is (no-op without a network)."""
+    def publish_progress(self, round: int, inner_step: int, samples: int, samples_per_s: float,
+                         ready: bool = False) -> None:
+        """Tell the swarm how far this peer is; `ready`: its inner steps are done (no-op without a network)."""
+
+    def others_ready(self, round: int) -> bool:
+        """True when another live peer has finished its inner steps of `round` and waits to average.
+
+        A slower peer then cuts its round short and contributes the steps it has (weighted by samples).
+        """
+        return False
 
     def offer_state(self, round: int, state: dict[str, Any]) -> None:
         """Make the just-committed state of `round` downloadable by newcomers (no-op without a network)."""

@@ -41,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     local.add_argument("--peers", type=int, default=4)
     local.add_argument("--rounds", type=int, default=None, help="override diloco.rounds")
     local.add_argument("--out", default=None)
+    local.add_argument("--kill", action="append", default=[], metavar="PEER@ROUND[:allreduce]",
+                       help="SIGKILL peer PEER in round ROUND (inside the all-reduce with :allreduce); repeatable")
+    local.add_argument("--join", action="append", default=[], type=int, metavar="ROUND",
+                       help="start an extra peer when the swarm reaches round ROUND; repeatable")
 
     boot = sub.add_parser("bootstrap", help="a DHT-only peer that others use as --initial-peers")
     boot.add_argument("--identity", default=None, help="key file for a stable peer id (created if missing)")
@@ -93,7 +97,8 @@ def run(argv: list[str]) -> int:
     else:
         from peers.local_swarm import run_local
 
-        path = run_local(cfg, args.config, overrides, args.peers, _out_dir(args.out, cfg, f"local{args.peers}"))
+        path = run_local(cfg, args.config, overrides, args.peers, _out_dir(args.out, cfg, f"local{args.peers}"),
+                         args.kill, args.join)
     print(f"wrote {path} and {path.parent / 'loss.png'}")
     return 0
 

@@ -108,6 +108,12 @@ class SwarmConfig:
     target_group_size: int = 64  # a group forms at once when this many peers are ready
     min_group_size: int = 2
     compression: Literal["none", "fp16", "int8", "int4"] = "none"
+    """How pseudo-gradients travel in the all-reduce (reduction is always fp32): none (fp32), fp16, int8
+    (blockwise, ~0.27x the bytes of none), int4 (blockwise, ~0.16x). Tensors under 8192 elements always
+    travel in fp32. Wire formats and measured errors: swarm/net/codec.py."""
+    error_feedback: bool = False
+    """With a lossy compression: add what quantization dropped from this peer's pseudo-gradient in one round
+    to its next one (per peer, kept in its checkpoint)."""
     bootstrap_timeout: float = 30.0
     """Give up joining after this long: raise it if "initial peers unreachable" appears on a slow link."""
     matchmaking_time: float = 5.0
@@ -120,6 +126,9 @@ class SwarmConfig:
     """Bound on matchmaking + all-reduce + retries of one round: past it the round is discarded."""
     state_timeout: float = 60.0
     """Bound on downloading the state from one donor: past it the next donor is tried."""
+    progress_interval: float = 1.0
+    """Seconds between progress records (and checks whether peers wait to average): lower it if stragglers
+    join a round's group too late; raise it if the DHT traffic of many peers is too much."""
     progress_expiration: float = 60.0
     """A progress record older than this marks its peer as gone: lower it if dead peers are waited on."""
 
@@ -144,6 +153,7 @@ class FaultsConfig:
 
     kill_round: Optional[int] = None  # die while working towards this round (1-based outer step)
     kill_phase: Literal["inner", "allreduce"] = "inner"  # mid inner steps, or inside the all-reduce
+    step_delay: float = 0.0  # extra seconds per inner step: a slow peer (straggler)
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from swarm.trainer import PeerHistory
 
@@ -43,10 +43,13 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def write_summary(out_dir: Path, run: str, mode: str, config: dict, wall_s: float,
-                  peers: Iterable[dict[str, Any]], events: list[dict[str, Any]] = ()) -> Path:
+                  peers: Iterable[dict[str, Any]], events: list[dict[str, Any]] = (),
+                  fault_report: Optional[dict[str, Any]] = None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = {"run": run, "mode": mode, "config": config, "wall_s": wall_s, "events": list(events),
                "peers": list(peers)}
+    if fault_report:
+        summary["fault_report"] = fault_report
     write_json(out_dir / "summary.json", summary)
     plot_losses(out_dir / "loss.png", summary["peers"])
     return out_dir / "summary.json"

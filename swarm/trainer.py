@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from swarm.averaging import Averager, RoundOutcome
-from swarm.checkpoint import Checkpointer
+from swarm.checkpoint import Checkpointer, CorruptCheckpoint
 from swarm.config import Config, InnerConfig
 from swarm.data import TrainBatches, load_corpus
 from swarm.diloco import DiLoCo
@@ -44,6 +46,7 @@ class RoundRecord:
     bytes_received: int
     tokens_per_s: float
     note: str = ""
+    time: float = 0.0  # unix time when the round closed
 
 
 @dataclass
@@ -93,6 +96,9 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(inner, total))
         self.step = 0  # inner steps done by this peer: the schedule position and the data position
         self.samples_since_commit = 0
+        # swarm.error_feedback: what quantization dropped from this peer's last committed contribution, added
+        # to its next pseudo-gradient. Per peer: in its checkpoint, never in the state served to newcomers.
+        self.error_feedback: Optional[list[torch.Tensor]] = None
         self.history = PeerHistory(peer_id=peer_id)
         ckpt_dir = cfg.checkpoint.dir or out_dir / "checkpoint"
         self.checkpointer = Checkpointer(ckpt_dir) if cfg.checkpoint.every > 0 else None
@@ -125,6 +131,7 @@ class Trainer:
         state = self.state_dict()
         state["history"] = _history_to_dict(self.history)
         state["rng"] = torch.get_rng_state()
+        state["error_feedback"] = self.error_feedback
         self.checkpointer.save(state)
 
     def resume(self) -> bool:
@@ -136,6 +143,7 @@ class Trainer:
         self.load_state_dict(state)
         self.history = _history_from_dict(state["history"])
         torch.set_rng_state(state["rng"])
+        self.error_feedback = state.get("error_feedback")
         log.info("resumed from %s at round %d (inner step %d)", self.checkpointer.path, self.diloco.round, self.step)
         return True
 
@@ -147,8 +155,10 @@ class Trainer:
         before = self.diloco.round
         self.load_state_dict(state)
         self.samples_since_commit = 0
+        self.error_feedback = None  # it belonged to the local progress we just dropped
         log.info("caught up from round %d to round %d from a peer's state", before, self.diloco.round)
-        self.history.events.append({"event": "state_downloaded", "from_round": before, "to_round": self.diloco.round})
+        self.history.events.append({"event": "state_downloaded", "time": time.time(), "from_round": before,
+                                    "to_round": self.diloco.round})
         return True
 
     # ---- the loop ------------------------------------------------------------------------------------
@@ -167,7 +177,13 @@ class Trainer:
 
     def train(self, progress: Optional[Callable[[int, int, float], None]] = None) -> PeerHistory:
         cfg = self.cfg.diloco
-        self.resume()
+        try:
+            self.resume()
+        except CorruptCheckpoint as e:
+            if not self.averager.networked:
+                raise
+            log.warning("%s; falling back to the state of peers", e)
+            self.history.events.append({"event": "corrupt_checkpoint", "time": time.time(), "error": str(e)})
         self.catch_up()
         if self.history.initial_eval_loss is None:
             self.history.initial_eval_loss = evaluate(self.model, self.eval_batches, self.device)
@@ -176,19 +192,28 @@ class Trainer:
         tokens_per_step = self.cfg.data.batch_size * self.cfg.data.seq_len
 
         while self.diloco.round < cfg.rounds:
-            # H inner steps: plain PyTorch on this peer's shard.
-            start, losses = time.perf_counter(), []
+            # H inner steps: plain PyTorch on this peer's shard. A straggler stops early once a faster peer
+            # waits to average, and contributes the steps it has (the average is weighted by samples).
+            start, losses, last_report = time.perf_counter(), [], 0.0
             for i in range(cfg.inner_steps):
+                self._inject_faults(i)
                 losses.append(self.inner_step())
                 if progress is not None:
                     progress(self.diloco.round, i + 1, losses[-1])
-                if i % 10 == 0:
-                    self.averager.publish_progress(self.diloco.round, self.step, self.samples_since_commit,
-                                                   (i + 1) * self.cfg.data.batch_size / (time.perf_counter() - start))
+                if time.perf_counter() - last_report >= self.cfg.swarm.progress_interval:
+                    last_report = time.perf_counter()
+                    self._publish_progress(start, len(losses))
+                    if i + 1 < cfg.inner_steps and self.averager.others_ready(self.diloco.round):
+                        log.info("round %d: peers wait to average; contributing %d of %d inner steps",
+                                 self.diloco.round + 1, i + 1, cfg.inner_steps)
+                        break
             compute_s = time.perf_counter() - start
+            self._publish_progress(start, len(losses), ready=True)
 
             # The outer step: average the pseudo-gradients, then commit or discard the round.
             pseudo_grad, samples = self.diloco.pseudo_gradient(), self.samples_since_commit
+            if self.error_feedback is not None:
+                pseudo_grad = [g + e.to(g.device) for g, e in zip(pseudo_grad, self.error_feedback)]
             before = [g.clone() for g in self.diloco.global_params] if self.cfg.logging.dump_tensors else None
             outcome = self.averager.average(self.diloco.round, pseudo_grad, samples)
             record = self._close_round(outcome, sum(losses) / len(losses), compute_s,
@@ -199,12 +224,27 @@ class Trainer:
                 self.on_round(record)
         return self.history
 
+    def _publish_progress(self, start: float, steps: int, ready: bool = False) -> None:
+        samples_per_s = steps * self.cfg.data.batch_size / max(1e-9, time.perf_counter() - start)
+        self.averager.publish_progress(self.diloco.round, self.step, self.samples_since_commit, samples_per_s, ready)
+
+    def _inject_faults(self, inner_step: int) -> None:
+        """`faults` config: sleep like a slow peer, or SIGKILL this process halfway through a round."""
+        faults = self.cfg.faults
+        if faults.step_delay > 0:
+            time.sleep(faults.step_delay)
+        if (faults.kill_phase == "inner" and faults.kill_round == self.diloco.round + 1
+                and inner_step == self.cfg.diloco.inner_steps // 2):
+            log.warning("fault injection: killing this peer (SIGKILL) in round %d", self.diloco.round + 1)
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def _close_round(self, outcome: RoundOutcome, train_loss: float, compute_s: float,
                      tokens_per_s: float) -> RoundRecord:
         committed = outcome.averaged is not None
         if committed:
             self.diloco.outer_step(outcome.averaged)
             self.samples_since_commit = 0
+            self.error_feedback = outcome.residual if self.cfg.swarm.error_feedback else None
         elif outcome.behind:
             self.catch_up()
         else:
@@ -218,7 +258,7 @@ class Trainer:
             global_sha256=self.diloco.global_sha256(), group_size=outcome.group_size,
             samples=outcome.total_samples, compute_s=compute_s, comm_s=outcome.comm_s,
             bytes_sent=outcome.bytes_sent, bytes_received=outcome.bytes_received,
-            tokens_per_s=tokens_per_s, note=outcome.note,
+            tokens_per_s=tokens_per_s, note=outcome.note, time=time.time(),
         )
         self.history.rounds.append(record)
         if committed:

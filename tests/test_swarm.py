@@ -32,7 +32,8 @@ def test_three_peers_commit_identical_rounds_equal_to_reference(tmp_path):
     momentum = None
     for r in range(3):
         contributions = [(d[r]["pseudo_grad"], float(d[r]["samples"])) for d in dumps]
-        assert [w for _, w in contributions] == [4 * (2 + i) for i in range(3)]
+        # weight = sequences this round: a multiple of the peer's batch size (a straggler may stop early)
+        assert all(w > 0 and w % (2 + i) == 0 for i, (_, w) in enumerate(contributions))
         mean = weighted_mean(contributions)
         momentum = [torch.zeros_like(g) for g in mean] if momentum is None else momentum
         expected = []

@@ -29,7 +29,7 @@ import asyncio
 import logging
 import math
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional, Sequence
+from typing import AsyncIterator, Callable, Optional, Sequence
 
 import torch
 from hivemind.p2p import P2P, P2PContext, PeerID
@@ -126,6 +126,7 @@ class AllReduce:
 
     def __init__(self, p2p: P2P, name: str, codec: Codec, timeout: float):
         self.p2p, self.name, self.codec, self.timeout = p2p, name, codec, timeout
+        self.on_pushed: Optional[Callable[[], None]] = None  # fault injection: called after a part is delivered
         self._groups: dict[bytes, asyncio.Future[_Group]] = {}
 
     async def start(self) -> None:
@@ -191,6 +192,8 @@ class AllReduce:
         if reply.code != OK:
             raise AllReduceFailed(f"part {j}: {peer} refused our contribution "
                                   f"({averaging_pb2.MessageCode.Name(reply.code)})")
+        if self.on_pushed is not None:
+            self.on_pushed()
 
     async def _fetch(self, group: _Group, j: int) -> torch.Tensor:
         peer, (start, end) = group.members[j], group.bounds[j]

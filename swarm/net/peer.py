@@ -22,7 +22,9 @@ import concurrent.futures
 import hashlib
 import io
 import logging
+import os
 import random
+import signal
 import threading
 import time
 from typing import Any, AsyncIterator, Callable, Optional
@@ -35,10 +37,10 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
 from swarm.averaging import Averager, RoundOutcome
-from swarm.config import SwarmConfig
+from swarm.config import FaultsConfig, SwarmConfig
 from swarm.net import schema
-from swarm.net.allreduce import AllReduce, AllReduceFailed
-from swarm.net.codec import get_codec
+from swarm.net.allreduce import AllReduce, AllReduceFailed, AllReduceResult, part_bounds
+from swarm.net.codec import NoneCodec, get_codec, join_from_wire, part_residual, quantized_mask, split_for_wire
 from swarm.net.matchmaking import Matchmaker, NoGroup
 
 logger = logging.getLogger(__name__)
@@ -46,11 +48,21 @@ logger = logging.getLogger(__name__)
 STATE_CHUNK_BYTES = 2**20
 
 
+def _die_now() -> None:
+    """Fault injection (`faults.kill_phase: allreduce`): SIGKILL this peer mid all-reduce, like a power cut."""
+    logger.warning("fault injection: killing this peer (SIGKILL) inside the all-reduce")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 class SwarmAverager(Averager):
-    def __init__(self, cfg: SwarmConfig, dht: hivemind.DHT, fingerprint: str, peer_name: str):
+    networked = True
+
+    def __init__(self, cfg: SwarmConfig, dht: hivemind.DHT, fingerprint: str, peer_name: str,
+                 faults: Optional[FaultsConfig] = None):
         self.cfg, self.dht, self.fingerprint, self.peer_name = cfg, dht, fingerprint, peer_name
+        self.faults = faults or FaultsConfig()
         self.peer_id = str(dht.peer_id)
-        codec = get_codec(cfg.compression)
+        self._codec = codec = get_codec(cfg.compression)
         self._state_handler = schema.handler_name(cfg.run_id, fingerprint, "state")
         self._offered: Optional[tuple[int, bytes, str]] = None  # (round, torch.save bytes, sha256 hex)
         # The averager forks a process: create it before our thread exists.
@@ -62,6 +74,10 @@ class SwarmAverager(Averager):
             self._p2p = self._call(dht.replicate_p2p(), cfg.bootstrap_timeout)
             self._allreduce = AllReduce(self._p2p, schema.handler_name(cfg.run_id, fingerprint, "ar"), codec,
                                         cfg.allreduce_timeout)
+            # A lossy codec never touches small tensors (norms, biases: codec.FP32_BELOW): they travel through
+            # a second, fp32 all-reduce run side by side in the same group.
+            self._allreduce_fp32 = AllReduce(self._p2p, schema.handler_name(cfg.run_id, fingerprint, "ar32"),
+                                             NoneCodec(), cfg.allreduce_timeout) if codec.lossy else None
             self._call(self._start_handlers(), cfg.bootstrap_timeout)
         except BaseException:
             self.close()
@@ -78,6 +94,8 @@ class SwarmAverager(Averager):
 
     async def _start_handlers(self) -> None:
         await self._allreduce.start()
+        if self._allreduce_fp32 is not None:
+            await self._allreduce_fp32.start()
         await self._p2p.add_protobuf_handler(self._state_handler, self._rpc_state, averaging_pb2.DownloadRequest,
                                              stream_output=True)
 
@@ -90,8 +108,12 @@ class SwarmAverager(Averager):
         flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in pseudo_grad])
         if not self._local_ok(flat, samples):
             return RoundOutcome(None, note="local pseudo-gradient or sample count is not finite; not sent")
+        mask = quantized_mask(shapes, self._codec)
+        flat_q, flat_32 = split_for_wire(pseudo_grad, mask)
         sent = received = 0
         reason = "round_timeout too short for one attempt"
+        if self.faults.kill_phase == "allreduce" and self.faults.kill_round == round + 1:
+            self._allreduce.on_pushed = _die_now
         while (left := deadline - time.monotonic()) > 0:
             try:
                 group = self._matchmaker.form_group(
@@ -103,33 +125,56 @@ class SwarmAverager(Averager):
                     ahead, here = self._swarm_position(round)
                     if ahead:
                         return RoundOutcome(None, comm_s=time.monotonic() - start, behind=True,
-                                            note=f"behind: peers are at round {max(ahead)} > {round}")
+                                            note=f"behind: peers committed round {max(ahead)}, we are at {round}")
                     if not here:
                         return RoundOutcome([t.clone() for t in pseudo_grad], total_samples=samples,
                                             comm_s=time.monotonic() - start, note="alone")
-                logger.info(f"round {round}: {reason}; retrying")
+                logger.info(f"round {round + 1}: {reason}; retrying")
                 continue
             try:
                 if any(m.get("numel") != flat.numel() for m in group.metas):
                     raise AllReduceFailed(f"groupmates average vectors of other sizes: "
                                           f"{[m.get('numel') for m in group.metas]}")
-                result = self._call(self._allreduce.run(group.group_id, group.members, flat, float(samples)),
-                                    self.cfg.allreduce_timeout + self.cfg.request_timeout)
+                results = self._call(self._run_allreduce(group.group_id, group.members, flat_q, flat_32,
+                                                         float(samples)),
+                                     self.cfg.allreduce_timeout + self.cfg.request_timeout)
             except (AllReduceFailed, TimeoutError) as e:
                 reason = str(e)
-                logger.warning(f"round {round}: all-reduce in a group of {len(group.members)} failed: {e}; retrying")
+                logger.warning(f"round {round + 1}: all-reduce in a group of {len(group.members)} failed: {e}; retrying")
                 continue
-            sent += result.bytes_sent
-            received += result.bytes_received
-            averaged = [part.view(shape).clone() for part, shape in
-                        zip(result.tensor.split([s.numel() for s in shapes]), shapes)]
-            return RoundOutcome(averaged, group_size=len(group.members),
+            sent += sum(r.bytes_sent for r in results if r is not None)
+            received += sum(r.bytes_received for r in results if r is not None)
+            averaged = join_from_wire(*[r.tensor if r is not None else torch.empty(0) for r in results], shapes, mask)
+            residual = None
+            if self.cfg.error_feedback:  # what the owners of our parts received of them, minus what we meant
+                lost = part_residual(self._codec, flat_q, part_bounds(flat_q.numel(), len(group.members)))
+                residual = join_from_wire(lost, torch.zeros_like(flat_32), shapes, mask)
+            return RoundOutcome(averaged, group_size=len(group.members), residual=residual,
                                 total_samples=sum(int(m.get("samples", 0)) for m in group.metas),
                                 bytes_sent=sent, bytes_received=received, comm_s=time.monotonic() - start,
                                 note=f"group of {len(group.members)}")
         return RoundOutcome(None, bytes_sent=sent, bytes_received=received, comm_s=time.monotonic() - start,
-                            note=f"round {round} discarded after {self.cfg.round_timeout:g} s "
+                            note=f"round {round + 1} discarded after {self.cfg.round_timeout:g} s "
                                  f"(swarm.round_timeout): {reason}")
+
+    async def _run_allreduce(self, group_id: bytes, members: list[PeerID], flat_q: torch.Tensor,
+                             flat_32: torch.Tensor, weight: float) -> list[Optional[AllReduceResult]]:
+        """[codec all-reduce of flat_q, fp32 all-reduce of flat_32] side by side; None for an empty vector.
+        The first failure cancels the other and is raised."""
+        jobs = [(self._allreduce, flat_q), (self._allreduce_fp32, flat_32)]
+        tasks = [asyncio.ensure_future(ar.run(group_id, members, flat, weight)) if ar is not None and flat.numel()
+                 else None for ar, flat in jobs]
+        try:
+            live = [task for task in tasks if task is not None]
+            if live:
+                done, _ = await asyncio.wait(live, return_when=asyncio.FIRST_EXCEPTION)
+                for task in done:
+                    task.result()  # raises the first failure
+            return [task.result() if task is not None else None for task in tasks]
+        finally:
+            for task in tasks:
+                if task is not None:
+                    task.cancel()
 
     def _local_ok(self, flat: torch.Tensor, samples: int) -> bool:
         """Never send a non-finite pseudo-gradient: peers would reject it and the whole group's round fails."""
@@ -137,11 +182,13 @@ class SwarmAverager(Averager):
 
     # ---- progress -------------------------------------------------------------------------------------
 
-    def publish_progress(self, round: int, inner_step: int, samples: int, samples_per_s: float) -> None:
+    def publish_progress(self, round: int, inner_step: int, samples: int, samples_per_s: float,
+                         ready: bool = False) -> None:
         now = get_dht_time()
         record = schema.ProgressRecord(
             peer_id=self.peer_id, name=self.peer_name, round=round, inner_step=inner_step, samples=samples,
-            samples_per_s=float(samples_per_s), time=float(now), serves_state=self._offered is not None)
+            samples_per_s=float(samples_per_s), time=float(now), serves_state=self._offered is not None,
+            ready=ready)
         future = self.dht.store(schema.progress_key(self.cfg.run_id), record.dict(), subkey=self.peer_id,
                                 expiration_time=now + self.cfg.progress_expiration, return_future=True)
         try:
@@ -161,6 +208,9 @@ class SwarmAverager(Averager):
             if record is not None and record.peer_id == subkey != self.peer_id and item.expiration_time > now:
                 records.append(record)
         return records
+
+    def others_ready(self, round: int) -> bool:
+        return any(r.round == round and r.ready for r in self.peers())
 
     def _swarm_position(self, round: int) -> tuple[list[int], list[str]]:
         """(rounds of live peers ahead of `round`, names of live peers at `round`)."""
@@ -232,6 +282,8 @@ class SwarmAverager(Averager):
     async def _stop_handlers(self) -> None:
         if hasattr(self, "_allreduce"):
             await self._allreduce.stop()
+            if self._allreduce_fp32 is not None:
+                await self._allreduce_fp32.stop()
             await self._p2p.remove_protobuf_handler(self._state_handler, stream_output=True)
         if hasattr(self, "_p2p"):
             await self._p2p.shutdown()  # a replica: closes our client, the DHT's daemon keeps running

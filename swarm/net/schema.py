@@ -38,6 +38,7 @@ class ProgressRecord(BaseModel):
     samples_per_s: confloat(ge=0.0, strict=True)
     time: StrictFloat
     serves_state: StrictBool  # True once the peer has offered a state (it can be a donor)
+    ready: StrictBool = False  # True once it finished this round's inner steps and looks for a group
 
 
 class RunSchema(BaseModel):

@@ -62,9 +62,8 @@ def test_codecs_round_trip_and_refuse_foreign_payloads():
     forged = runtime_pb2.Tensor(compression=runtime_pb2.NONE, buffer=b"\0" * 8, size=[10**9], dtype="float32")
     with pytest.raises(CodecError):
         get_codec("none").decode(forged)
-    for name in ("int8", "int4", "zip"):
-        with pytest.raises(SwarmError, match=name):
-            get_codec(name)
+    with pytest.raises(SwarmError, match="zip"):
+        get_codec("zip")
 
 
 @pytest.mark.timeout(30)
