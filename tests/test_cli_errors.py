@@ -1,0 +1,49 @@
+"""Bad input at the command line: one line on stderr naming the culprit, and the documented exit code."""
+
+import socket
+import time
+
+import pytest
+
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.timeout(90)
+
+PEER = ["peer", "--config", "configs/tiny.yaml", "--data.max_documents", "60"]
+SOME_ID = "12D3KooWMJQ578M5fLBwELxBrNAd8j1GwELtCAgM7vBxgNojeWMJ"
+
+
+def one_line_error(result) -> str:
+    lines = [line for line in result.stderr.strip().splitlines() if line.startswith("swarm: error:")]
+    assert len(lines) == 1, result.stderr[-2000:]
+    return lines[0]
+
+
+def test_malformed_multiaddr_exits_2_naming_it():
+    result = run_cli(*PEER, "--initial-peers", "not-a-maddr")
+    assert result.returncode == 2
+    assert "not-a-maddr" in one_line_error(result)
+
+
+def test_unreachable_initial_peer_exits_1_in_bounded_time():
+    start = time.time()
+    result = run_cli(*PEER, "--initial-peers", f"/ip4/127.0.0.1/tcp/1/p2p/{SOME_ID}")
+    assert result.returncode == 1
+    assert "unreachable" in one_line_error(result)
+    assert time.time() - start < 40
+
+
+def test_port_in_use_exits_1_naming_the_port():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli(*PEER, "--swarm.host_maddrs", f"/ip4/127.0.0.1/tcp/{port}")
+    assert result.returncode == 1
+    assert str(port) in one_line_error(result)
+
+
+def test_bad_kill_spec_exits_2():
+    result = run_cli("local", "--config", "configs/tiny.yaml", "--kill", "two@2")
+    assert result.returncode == 2
+    assert "--kill" in one_line_error(result)
