@@ -1,0 +1,123 @@
+"""Quantized all-reduce among 3 members: the fp32 weighted mean within each scheme's bound, identical bytes on
+every member, bytes counted, bad input refused naming the sender; and through SwarmAverager processes with
+small tensors in fp32 and the error-feedback residual."""
+
+import asyncio
+import logging
+
+import pytest
+import torch
+from conftest import fast_cfg
+from peer_proc import make_vector
+
+from swarm.net.allreduce import AllReduce, AllReduceFailed, part_bounds
+from swarm.net.codec import FP32_BELOW, get_codec
+from swarm.net.dht import start_dht, visible_maddrs
+
+# Bound on |result - exact weighted mean| per element, as a fraction of the largest |input| (one quantization
+# of each contribution, one of the result): int8 2/250, int4 2/14; fp16: of the largest |input| there.
+ELEMENT_BOUND = {"none": 1e-6, "fp16": 2e-3, "int8": 2 / 250, "int4": 2 / 14}
+REL_BOUND = {"none": 1e-6, "fp16": 1e-3, "int8": 0.015, "int4": 0.16}
+
+
+@pytest.fixture
+def dhts():  # fresh daemons per test: a later group on the same replicated daemons lost its streams
+    first = start_dht(fast_cfg())
+    started = [first]
+    try:
+        started += [start_dht(fast_cfg(initial_peers=visible_maddrs(first))) for _ in range(2)]
+        yield started
+    finally:
+        for dht in started:
+            dht.shutdown()
+
+
+def run_group(dhts, vectors, weights, codec, tamper=None):
+    async def main():
+        p2ps = [await dht.replicate_p2p() for dht in dhts]
+        services = [AllReduce(p2p, "q", get_codec(codec), 10.0) for p2p in p2ps]
+        if tamper is not None:
+            tamper(services[tamper.index].codec)
+        for service in services:
+            await service.start()
+        members = [p2p.peer_id for p2p in p2ps]
+        try:
+            return members, await asyncio.gather(*[s.run(b"g", members, v, w)
+                                                   for s, v, w in zip(services, vectors, weights)],
+                                                 return_exceptions=True)
+        finally:
+            for service in services:
+                await service.stop()
+            for p2p in p2ps:
+                await p2p.shutdown()
+    return asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("codec", ["none", "fp16", "int8", "int4"])
+def test_three_members_quantized_mean_within_bound_and_identical(dhts, codec):
+    numel = 60_001
+    vectors = [make_vector(i, numel) for i in range(3)]
+    flats = [torch.cat([t.reshape(-1) for t in v]) for v in vectors]
+    weights = [5.0, 1.0, 2.0]
+    _, results = run_group(dhts, flats, weights, codec)
+    exact = sum(f * w for f, w in zip(flats, weights)) / sum(weights)
+    for r in results:
+        assert not isinstance(r, BaseException), r
+        assert torch.equal(r.tensor, results[0].tensor), "members must hold bit-identical results"
+    err = (results[0].tensor - exact).abs()
+    stacked = torch.stack(flats).abs()
+    scale = stacked.amax(0) if codec == "fp16" else stacked.max()
+    assert (err <= ELEMENT_BOUND[codec] * scale + 1e-6).all()
+    assert (err.norm() / exact.norm()).item() <= REL_BOUND[codec]
+    # bytes: each member sends 2 of its 3 parts and serves its part's result to 2 others
+    wire = {"none": 4, "fp16": 2, "int8": 1 + 4 / 64, "int4": 0.5 + 4 / 32}[codec]
+    for r in results:
+        for counted in (r.bytes_sent, r.bytes_received):
+            assert 4 / 3 * numel * wire <= counted <= 4 / 3 * numel * wire + 2000
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_nan_contribution_fails_the_part_and_names_the_sender(dhts, codec, caplog):
+    flats = [torch.randn(9000) for _ in range(3)]
+    flats[1][100] = float("nan")  # a hostile member that skips the local finiteness check
+    with caplog.at_level(logging.WARNING, logger="swarm.net.allreduce"):
+        members, results = run_group(dhts, flats, [1.0, 1.0, 1.0], codec)
+    assert isinstance(results[0], AllReduceFailed) and isinstance(results[2], AllReduceFailed), results
+    assert isinstance(results[1], Exception)  # the hostile member cannot even decode its own share
+    owner = next(j for j, (s, e) in enumerate(part_bounds(9000, 3)) if s <= 100 < e)
+    assert owner != 1
+    assert f"rejected the contribution of {members[1]}" in caplog.text and "not finite" in caplog.text
+
+
+@pytest.mark.timeout(90)
+def test_swarm_averagers_int4_small_tensors_fp32_and_residual(bootstrap, peers):
+    """3 SwarmAverager processes with int4 + error feedback: the small tensor (8000 < FP32_BELOW elements)
+    is averaged exactly, the large one within the int4 bound; each peer's residual is its own loss."""
+    numel = 24_000  # make_vector: tensors of 8000 and 16000 elements
+    assert numel // 3 < FP32_BELOW <= numel - numel // 3
+    jobs = [peers.start(f"p{i}", bootstrap, seed=i, samples=s, numel=numel, compression="int4",
+                        error_feedback=True) for i, s in enumerate((3, 1, 2))]
+    peers.go()
+    outcomes = [peers.wait(j, 60)["outcome"] for j in jobs]
+    vectors = [make_vector(j["seed"], numel) for j in jobs]
+    weights = [j["samples"] for j in jobs]
+    exact = [sum(v[k] * w for v, w in zip(vectors, weights)) / sum(weights) for k in range(2)]
+    for o in outcomes:
+        assert o["averaged"] is not None, o["note"]
+        for a, b in zip(o["averaged"], outcomes[0]["averaged"]):
+            assert torch.equal(a, b)
+    small, large = outcomes[0]["averaged"]
+    assert (small - exact[0]).abs().max() < 1e-6  # fp32 path
+    assert (large - exact[1]).abs().max() <= 2 / 14 * max(v[1].abs().max() for v in vectors)
+    assert ((large - exact[1]).norm() / exact[1].norm()) < 0.16
+    codec = get_codec("int4")
+    for o, v in zip(outcomes, vectors):
+        residual = o["residual"]
+        assert residual is not None and torch.equal(residual[0], torch.zeros_like(v[0]))
+        flat = v[1].reshape(-1)
+        received = torch.cat([codec.round_trip(flat[s:e]) for s, e in part_bounds(flat.numel(), 3)])
+        assert torch.equal(residual[1].reshape(-1), flat - received)
+        wire = 4 / 3 * (8000 * 4 + 16000 * (0.5 + 4 / 32))  # 2 of 3 parts out and 2 results served, each way
+        assert wire <= o["bytes_sent"] < wire + 4000 and wire <= o["bytes_received"] < wire + 4000
