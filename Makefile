@@ -27,5 +27,15 @@ test: install
 lint: install
 	$(BIN)/ruff check swarm peers tests bench
 
+# Benchmarks: each entry of BENCHES is a module under bench/ run with `python -m`; add yours to the list.
+# `bench-quick` passes --quick (shorter runs). Results land in bench/results/.
+BENCHES := bench.compression
+
+bench: install
+	@for b in $(BENCHES); do echo "== $$b"; $(BIN)/python -m $$b || exit 1; done
+
+bench-quick: install
+	@for b in $(BENCHES); do echo "== $$b"; $(BIN)/python -m $$b --quick || exit 1; done
+
 clean:
 	rm -rf $(VENV) runs .pytest_cache
