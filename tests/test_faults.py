@@ -60,7 +60,8 @@ def test_local_swarm_kill_inside_allreduce_and_join(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_crash_and_restart_resumes_and_catches_up(tmp_path):
+@pytest.mark.parametrize("checkpoint", ["intact", "corrupt"])
+def test_crash_and_restart_resumes_and_catches_up(tmp_path, checkpoint):
     with local_swarm(tmp_path) as swarm:
         swarm.start_bootstrap()
         args = ["--diloco.rounds", "5", "--diloco.inner_steps", "6", "--swarm.target_group_size", "2"]
@@ -68,12 +69,19 @@ def test_crash_and_restart_resumes_and_catches_up(tmp_path):
         b = swarm.start_peer("b", *args, "--data.shard", "1", "--faults.kill_round", "3")
         b.proc.wait(timeout=200)
         assert b.proc.returncode == -signal.SIGKILL
-        assert (tmp_path / "b" / "checkpoint" / "checkpoint.pt").exists()
+        saved = tmp_path / "b" / "checkpoint" / "checkpoint.pt"
+        assert saved.exists()
+        if checkpoint == "corrupt":
+            saved.write_bytes(saved.read_bytes()[:1000])
         b2 = swarm.start_peer("b", *args, "--data.shard", "1")  # same folder: resume, then catch up
         swarm.wait([a, b2], timeout=240)
         assert a.proc.returncode == 0 and b2.proc.returncode == 0, swarm.log(b2)[-3000:]
         log = swarm.log(b2)
-        assert "resumed from" in log
+        if checkpoint == "intact":
+            assert "resumed from" in log
+        else:
+            assert "corrupt checkpoint" in log and "falling back to the state of peers" in log
+            assert "fetched the state of round" in log
         summaries = [swarm.summary(a), swarm.summary(b2)]
     assert_rounds_agree(summaries, 5)
 
