@@ -1,0 +1,167 @@
+"""Convergence, the shape of the DiLoCo paper's Table 2, at tiny scale on CPU.
+
+At equal inner steps per worker: one worker (batch B, shard 0); synchronous data parallel over M workers
+(the M workers' batches of each step averaged into one M x B step: one all-reduce per step); DiLoCo with M
+workers through the project's own loop (`peers.local_trainers.simulate`, M replicas on shards 0..M-1, the
+same data as data parallel) over a grid of H and outer lr; and one point repeated as a real local swarm
+(`swarm local`, M processes over loopback) that must land on the same held-out eval loss.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import REPO, RESULTS, md_table, stamp, tiny_config, write_config
+from peers.local_trainers import simulate
+from swarm.data import TrainBatches, load_corpus
+from swarm.model import build_model, count_parameters
+from swarm.trainer import evaluate, lr_lambda
+
+M = 4
+FULL = dict(steps=400, grid=[(10, 0.3), (10, 0.5), (25, 0.5), (25, 0.7), (50, 0.5), (50, 0.7), (50, 1.0),
+                             (100, 0.7), (100, 1.0)], swarm_point=(50, 0.7))
+QUICK = dict(steps=60, grid=[(10, 0.3), (30, 0.7)], swarm_point=(30, 0.7))
+
+
+def train_plain(cfg, shards: list[int], steps: int, eval_points: int = 8) -> tuple[list[tuple[int, float]], float]:
+    """AdamW with the trainer's schedule; each step averages the gradients of one batch from each shard
+    (one shard: a single worker; M shards: synchronous data parallel with an M x B global batch)."""
+    corpus = load_corpus(cfg.data)
+    batches = [TrainBatches(corpus, cfg.data, s) for s in shards]
+    evals = corpus.eval_batches(cfg.data)
+    model = build_model(cfg.model, corpus.tokenizer.vocab_size)
+    inner = cfg.inner
+    opt = torch.optim.AdamW(model.parameters(), lr=inner.lr, betas=(inner.beta1, inner.beta2), eps=inner.eps,
+                            weight_decay=inner.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(inner, steps))
+    every = max(1, steps // eval_points)
+    curve, start = [(0, evaluate(model, evals, "cpu"))], time.perf_counter()
+    for step in range(steps):
+        batch = torch.cat([b.batch(step) for b in batches])  # mean over M equal batches = mean of M gradients
+        model(input_ids=batch, labels=batch).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), inner.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if (step + 1) % every == 0 or step + 1 == steps:
+            curve.append((step + 1, evaluate(model, evals, "cpu")))
+    return curve, time.perf_counter() - start
+
+
+def diloco_sim(steps: int, h: int, olr: float, tmp: Path) -> tuple[list[tuple[int, float]], float]:
+    cfg = tiny_config(steps, h, olr)
+    start = time.perf_counter()
+    trainers = simulate(cfg, M, tmp / f"sim-h{h}-olr{olr}")
+    hist = trainers[0].history
+    curve = [(0, hist.initial_eval_loss)] + [(r.round * h, r.eval_loss) for r in hist.rounds
+                                             if r.committed and r.eval_loss is not None]
+    return curve, time.perf_counter() - start
+
+
+def diloco_swarm(steps: int, h: int, olr: float, tmp: Path) -> dict:
+    """The same point as a real `swarm local` run: M processes over loopback. As in the sim, every peer runs all
+    H inner steps: the straggler early stop is off (swarm.progress_interval huge) and a leader waits up to 60 s
+    for the whole group (on 2 shared cores a peer can fall more than the default 5 s behind)."""
+    cfg = tiny_config(steps, h, olr, swarm={"run_id": f"bench-conv-{int(time.time())}", "progress_interval": 1e6,
+                                            "matchmaking_time": 60.0, "round_timeout": 600.0})
+    out = tmp / f"swarm-h{h}-olr{olr}"
+    path = write_config(cfg, tmp / "swarm.yaml")
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "swarm.cli", "local", "--config", str(path), "--peers", str(M),
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=1200)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        return {"error": f"swarm local exited {proc.returncode}: {proc.stderr.strip()[-500:]}", "wall_s": wall}
+    summary = json.loads((out / "summary.json").read_text())
+    peers = summary["peers"]
+    finals = [[e for e in p["eval_loss"] if e is not None][-1] for p in peers]
+    return {"eval_loss": finals[0], "eval_loss_per_peer": finals, "wall_s": wall,
+            "identical_globals": len({p["final_global_sha256"] for p in peers}) == 1,
+            "rounds": [p["rounds_completed"] for p in peers],
+            "samples_per_round": [r["samples"] for r in peers[0]["rounds"]]}
+
+
+def plot(points: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for p in points:
+        if p.get("curve"):
+            steps, losses = zip(*p["curve"])
+            style = "-" if p["method"] != "DiLoCo" else "--"
+            ax.plot(steps, losses, style, marker=".", label=p["label"], linewidth=2 if style == "-" else 1)
+    ax.set_xlabel("inner steps per worker")
+    ax.set_ylabel("held-out eval loss")
+    ax.set_ylim(top=min(4.0, ax.get_ylim()[1]))
+    ax.set_title(f"tiny Llama, {M} workers: single vs data parallel vs DiLoCo (H, outer lr)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run(quick: bool) -> dict:
+    spec = QUICK if quick else FULL
+    steps = spec["steps"]
+    cfg = tiny_config(steps, steps)
+    params = count_parameters(build_model(cfg.model, load_corpus(cfg.data).tokenizer.vocab_size))
+    torch.set_num_threads(2)
+    points = []
+    curve, secs = train_plain(cfg, [0], steps)
+    points.append(dict(method="single worker", label="single (B)", H=None, outer_lr=None, curve=curve, seconds=secs,
+                       allreduces=0))
+    curve, secs = train_plain(cfg, list(range(M)), steps)
+    points.append(dict(method=f"data parallel x{M}", label=f"DP ({M}xB)", H=1, outer_lr=None, curve=curve,
+                       seconds=secs, allreduces=steps))
+    with tempfile.TemporaryDirectory(prefix="bench-conv-") as tmp:
+        for h, olr in spec["grid"]:
+            curve, secs = diloco_sim(steps, h, olr, Path(tmp))
+            points.append(dict(method="DiLoCo", label=f"DiLoCo H={h} olr={olr}", H=h, outer_lr=olr, curve=curve,
+                               seconds=secs, allreduces=steps // h))
+            print(f"  convergence: H={h} olr={olr}: eval {curve[-1][1]:.4f} ({secs:.0f}s)", flush=True)
+        h, olr = spec["swarm_point"]
+        swarm = diloco_swarm(steps, h, olr, Path(tmp))
+    sim_point = next(p for p in points if p["H"] == h and p["outer_lr"] == olr)
+    swarm.update(H=h, outer_lr=olr, sim_eval_loss=sim_point["curve"][-1][1])
+    if "eval_loss" in swarm:
+        swarm["abs_diff"] = abs(swarm["eval_loss"] - swarm["sim_eval_loss"])
+
+    dp_loss = points[1]["curve"][-1][1]
+    single_loss = points[0]["curve"][-1][1]
+    rows = []
+    for p in points:
+        final = p["curve"][-1][1]
+        p["eval_loss"] = final
+        floats = p["allreduces"] * params
+        rows.append([p["method"], p["H"] if p["H"] is not None else "–", p["outer_lr"], f"{final:.4f}",
+                     f"{final - single_loss:+.3f}", f"{final - dp_loss:+.3f}", p["allreduces"], f"{floats:.3g}",
+                     f"{steps / p['allreduces']:.0f}x" if p["allreduces"] else "–", f"{p['seconds']:.0f}"])
+    if "eval_loss" in swarm:
+        rows.append([f"DiLoCo, real swarm ({M} processes)", h, olr, f"{swarm['eval_loss']:.4f}",
+                     f"{swarm['eval_loss'] - single_loss:+.3f}", f"{swarm['eval_loss'] - dp_loss:+.3f}", steps // h,
+                     f"{steps // h * params:.3g}", f"{h}x", f"{swarm['wall_s']:.0f}"])
+    table = md_table(["method", "H", "outer lr", "eval loss", "vs single", "vs DP", "all-reduces",
+                      "floats all-reduced / worker", "less comm. than DP", "wall s"], rows)
+    agree = (f"sim vs swarm at H={h}, olr={olr}: {swarm['sim_eval_loss']:.4f} vs {swarm['eval_loss']:.4f} "
+             f"(|diff| {swarm['abs_diff']:.4f}), final globals identical on every peer: {swarm['identical_globals']}"
+             if "eval_loss" in swarm else f"real swarm point failed: {swarm.get('error')}")
+    best = min((p for p in points if p["method"] == "DiLoCo"), key=lambda p: p["eval_loss"])
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    plot(points, RESULTS / "convergence.png")
+    table += (f"\n\n{params / 1e6:.2f}M-parameter Llama, {M} workers, batch {cfg.data.batch_size}x{cfg.data.seq_len} "
+              f"per worker, {steps} inner steps per worker, inner AdamW lr {cfg.inner.lr}. Best DiLoCo: H={best['H']} "
+              f"olr={best['outer_lr']} at {best['eval_loss']:.4f}. {agree}. Plot: convergence.png")
+    return {"table": table, "config": {"steps": steps, "workers": M, "params": params, "grid": spec["grid"],
+                                       "swarm_point": spec["swarm_point"], "base": cfg.to_dict()},
+            "points": points, "swarm": swarm, "timestamp": stamp()}

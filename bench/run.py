@@ -1,0 +1,124 @@
+"""`python -m bench.run [--quick] [--only NAME ...]`: run the benchmarks, write bench/results/<name>.json and
+bench/results/README.md (one markdown table per benchmark), and print the tables.
+
+Each benchmark is a module `bench/<name>.py` with `run(quick: bool) -> dict` holding a markdown 'table'
+(a `main`/`run` without arguments, or returning something else, is adapted). A module that is absent is
+skipped with a note; one that fails is recorded with its error and the suite goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import inspect
+import io
+import json
+import sys
+import time
+import traceback
+
+from bench.common import RESULTS, stamp
+
+MODULES = ["convergence", "traffic", "utilization", "overhead", "allreduce", "compression"]
+TITLES = {"convergence": "1. Convergence (DiLoCo Table 2 shape)", "traffic": "2. Traffic per round",
+          "utilization": "3. Compute utilization of a real swarm",
+          "overhead": "4. Overhead: swarm peer --solo vs plain PyTorch",
+          "allreduce": "5. All-reduce time", "compression": "Compression codecs (bench/compression.py)"}
+
+
+def call(name: str, quick: bool) -> dict:
+    module = importlib.import_module(f"bench.{name}")
+    fn = getattr(module, "run", None) or getattr(module, "main", None)
+    if fn is None:
+        raise RuntimeError(f"bench/{name}.py has neither run() nor main()")
+    params = inspect.signature(fn).parameters
+    captured, argv = io.StringIO(), sys.argv
+    sys.argv = [f"bench.{name}"] + (["--quick"] if quick else [])  # for a main() that parses sys.argv itself
+    try:
+        with contextlib.redirect_stdout(Tee(captured, sys.stdout)):
+            if "quick" in params:
+                out = fn(quick=quick)
+            elif params:
+                out = fn(sys.argv[1:])
+            else:
+                out = fn()
+    finally:
+        sys.argv = argv
+    if isinstance(out, dict) and "table" in out:
+        return out
+    # A main() that prints its table and writes its own json: keep that json, take the table from stdout.
+    own = RESULTS / f"{name}.json"
+    result = json.loads(own.read_text()) if own.exists() else {}
+    result = result if isinstance(result, dict) else {"returned": result}
+    if isinstance(out, dict):
+        result.update(out)
+    lines = captured.getvalue().splitlines()
+    rows = [i for i, line in enumerate(lines) if line.startswith("|")]
+    table = "\n".join(lines[max(0, rows[0] - 2): rows[-1] + 1]).strip() if rows else captured.getvalue().strip()
+    result["table"] = table or "(no table printed)"
+    return result
+
+
+class Tee(io.TextIOBase):
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for s in self.streams:
+            s.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for s in self.streams:
+            s.flush()
+
+
+def write_readme() -> str:
+    parts = ["# Benchmark results\n", "Written by `python -m bench.run`; raw numbers, configs and timestamps in "
+             "the `<name>.json` files next to this one.\n"]
+    for name in MODULES:
+        path = RESULTS / f"{name}.json"
+        if not path.exists():
+            continue
+        result = json.loads(path.read_text())
+        mode = "quick" if result.get("quick") else "full"
+        parts.append(f"## {TITLES.get(name, name)}\n\n_{mode} run, {result.get('started')}, "
+                     f"{result.get('wall_s', 0):.0f} s_\n\n{result['table']}\n")
+    text = "\n".join(parts)
+    (RESULTS / "README.md").write_text(text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny settings: the whole suite in a few minutes")
+    parser.add_argument("--only", nargs="+", choices=MODULES, default=None, metavar="NAME",
+                        help=f"run only these benchmarks ({', '.join(MODULES)})")
+    args = parser.parse_args(argv)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    suite_start, failed = time.time(), []
+    for name in args.only or MODULES:
+        if importlib.util.find_spec(f"bench.{name}") is None:
+            print(f"== {name}: skipped, bench/{name}.py does not exist (yet)", flush=True)
+            continue
+        print(f"== {name} ({'quick' if args.quick else 'full'})", flush=True)
+        started, start = stamp(), time.time()
+        try:
+            result = call(name, args.quick)
+        except Exception as e:  # one broken benchmark must not take the others down
+            traceback.print_exc()
+            failed.append(name)
+            result = {"table": f"**failed**: `{type(e).__name__}: {e}`", "error": traceback.format_exc()}
+        result.update(name=name, quick=args.quick, started=started, finished=stamp(), wall_s=time.time() - start)
+        (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
+        print(f"{result['table']}\n({name}: {result['wall_s']:.0f} s)\n", flush=True)
+    write_readme()
+    print(f"suite: {time.time() - suite_start:.0f} s; results in {RESULTS}/"
+          + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
