@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -28,7 +28,8 @@ class RoundOutcome:
     bytes_sent: int = 0
     bytes_received: int = 0
     comm_s: float = 0.0  # time in matchmaking and all-reduce
-    behind: bool = False  # the swarm has moved past this round: fetch the state instead of retrying
+    behind: bool = False  # the swarm has moved past this round (or on other parameters): fetch the state
+    donors: list[str] = field(default_factory=list)  # with `behind`: peer ids whose state to take
     note: str = ""  # why the round was discarded, or who averaged
     # swarm.error_feedback with a lossy codec: what this peer's contribution lost to quantization on the
     # wire (its pseudo-gradient minus what the reducers decoded), shaped like it; the trainer adds it to
@@ -42,8 +43,12 @@ class Averager(ABC):
     networked = False  # True where `fetch_state` can replace a lost or corrupt checkpoint
 
     @abstractmethod
-    def average(self, round: int, pseudo_grad: list[torch.Tensor], samples: int) -> RoundOutcome:
-        """Average `pseudo_grad` (weighted by `samples`) with the peers of `round`."""
+    def average(self, round: int, pseudo_grad: list[torch.Tensor], samples: int, base: str = "") -> RoundOutcome:
+        """Average `pseudo_grad` (weighted by `samples`) with the peers of `round`.
+
+        `base` is the hash of the global parameters the pseudo-gradient was taken from: only peers on the
+        same base may average together (a step applied to different bases would never reconcile them).
+        """
 
     def publish_progress(self, round: int, inner_step: int, samples: int, samples_per_s: float,
                          ready: bool = False) -> None:
@@ -59,10 +64,12 @@ class Averager(ABC):
     def offer_state(self, round: int, state: dict[str, Any]) -> None:
         """Make the just-committed state of `round` downloadable by newcomers (no-op without a network)."""
 
-    def fetch_state(self, newer_than: int, validate: Callable[[dict], None]) -> Optional[dict[str, Any]]:
+    def fetch_state(self, newer_than: int, validate: Callable[[dict], None],
+                    donors: Optional[list[str]] = None) -> Optional[dict[str, Any]]:
         """Download the freshest state from a peer if the swarm is past round `newer_than`, else None.
 
         `validate` raises on a state that does not fit this peer (wrong shapes); that donor is skipped.
+        `donors` restricts the choice to these peer ids.
         """
         return None
 
@@ -83,7 +90,7 @@ def weighted_mean(contributions: list[tuple[list[torch.Tensor], float]]) -> list
 
 
 class SoloAverager(Averager):
-    def average(self, round: int, pseudo_grad: list[torch.Tensor], samples: int) -> RoundOutcome:
+    def average(self, round: int, pseudo_grad: list[torch.Tensor], samples: int, base: str = "") -> RoundOutcome:
         return RoundOutcome([t.float() for t in pseudo_grad], group_size=1, total_samples=samples, note="solo")
 
 
@@ -123,7 +130,7 @@ class _SimMember(Averager):
     def __init__(self, sim: SimAverager, index: int):
         self.sim, self.index = sim, index
 
-    def average(self, round: int, pseudo_grad: list[torch.Tensor], samples: int) -> RoundOutcome:
+    def average(self, round: int, pseudo_grad: list[torch.Tensor], samples: int, base: str = "") -> RoundOutcome:
         start = time.perf_counter()
         self.sim._inbox[self.index] = (pseudo_grad, float(samples))
         self.sim._gathered.wait()

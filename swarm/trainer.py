@@ -147,9 +147,13 @@ class Trainer:
         log.info("resumed from %s at round %d (inner step %d)", self.checkpointer.path, self.diloco.round, self.step)
         return True
 
-    def catch_up(self) -> bool:
-        """If the swarm is past our round, take the state from a peer; True if we did."""
-        state = self.averager.fetch_state(self.diloco.round, self.validate_state)
+    def catch_up(self, donors: Optional[list[str]] = None) -> bool:
+        """If the swarm is past our round, take the state from a peer; True if we did.
+
+        With `donors` (peers on other global parameters than ours, at our round or past it) take theirs.
+        """
+        newer_than = self.diloco.round - 1 if donors else self.diloco.round
+        state = self.averager.fetch_state(newer_than, self.validate_state, donors)
         if state is None:
             return False
         before = self.diloco.round
@@ -215,7 +219,7 @@ class Trainer:
             if self.error_feedback is not None:
                 pseudo_grad = [g + e.to(g.device) for g, e in zip(pseudo_grad, self.error_feedback)]
             before = [g.clone() for g in self.diloco.global_params] if self.cfg.logging.dump_tensors else None
-            outcome = self.averager.average(self.diloco.round, pseudo_grad, samples)
+            outcome = self.averager.average(self.diloco.round, pseudo_grad, samples, self.diloco.global_sha256())
             record = self._close_round(outcome, sum(losses) / len(losses), compute_s,
                                        tokens_per_step * len(losses) / compute_s)
             if self.cfg.logging.dump_tensors:
@@ -246,7 +250,8 @@ class Trainer:
             self.samples_since_commit = 0
             self.error_feedback = outcome.residual if self.cfg.swarm.error_feedback else None
         elif outcome.behind:
-            self.catch_up()
+            log.warning("round %d: %s", self.diloco.round + 1, outcome.note)
+            self.catch_up(outcome.donors or None)
         else:
             log.warning("round %d discarded (%s): keeping local progress for the next attempt",
                         self.diloco.round + 1, outcome.note)

@@ -53,7 +53,7 @@ class ResidualAverager(Averager):
     def __init__(self):
         self.sent: list[list[torch.Tensor]] = []
 
-    def average(self, round, pseudo_grad, samples):
+    def average(self, round, pseudo_grad, samples, base=""):
         self.sent.append([t.clone() for t in pseudo_grad])
         residual = [torch.full_like(t, 0.001 * (round + 1)) for t in pseudo_grad]
         return RoundOutcome([t.clone() for t in pseudo_grad], total_samples=samples, residual=residual)

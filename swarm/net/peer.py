@@ -41,11 +41,19 @@ from swarm.config import FaultsConfig, SwarmConfig
 from swarm.net import schema
 from swarm.net.allreduce import AllReduce, AllReduceFailed, AllReduceResult, part_bounds
 from swarm.net.codec import NoneCodec, get_codec, join_from_wire, part_residual, quantized_mask, split_for_wire
-from swarm.net.matchmaking import Matchmaker, NoGroup
+from swarm.net.matchmaking import Group, Matchmaker, NoGroup
 
 logger = logging.getLogger(__name__)
 
 STATE_CHUNK_BYTES = 2**20
+
+
+class OtherBase(Exception):
+    """The group's majority holds other global parameters than ours; `donors` are its members."""
+
+    def __init__(self, reason: str, donors: list[str]):
+        super().__init__(reason)
+        self.donors = donors
 
 
 def _die_now() -> None:
@@ -101,7 +109,7 @@ class SwarmAverager(Averager):
 
     # ---- averaging ------------------------------------------------------------------------------------
 
-    def average(self, round: int, pseudo_grad: list[torch.Tensor], samples: int) -> RoundOutcome:
+    def average(self, round: int, pseudo_grad: list[torch.Tensor], samples: int, base: str = "") -> RoundOutcome:
         start = time.monotonic()
         deadline = start + self.cfg.round_timeout
         shapes = [t.shape for t in pseudo_grad]
@@ -117,8 +125,12 @@ class SwarmAverager(Averager):
         while (left := deadline - time.monotonic()) > 0:
             try:
                 group = self._matchmaker.form_group(
-                    round, {"samples": int(samples), "numel": flat.numel()},
+                    round, {"samples": int(samples), "numel": flat.numel(), "base": base},
                     timeout=min(left, 2 * self.cfg.matchmaking_time))
+                group = self._on_majority_base(group, base)
+            except OtherBase as e:
+                return RoundOutcome(None, comm_s=time.monotonic() - start, behind=True, donors=e.donors,
+                                    note=str(e))
             except NoGroup as e:
                 reason = e.reason
                 if e.alone:
@@ -140,7 +152,8 @@ class SwarmAverager(Averager):
                                      self.cfg.allreduce_timeout + self.cfg.request_timeout)
             except (AllReduceFailed, TimeoutError) as e:
                 reason = str(e)
-                logger.warning(f"round {round + 1}: all-reduce in a group of {len(group.members)} failed: {e}; retrying")
+                logger.warning(f"round {round + 1}: all-reduce in a group of {len(group.members)} failed: {e}; "
+                               f"retrying")
                 continue
             sent += sum(r.bytes_sent for r in results if r is not None)
             received += sum(r.bytes_received for r in results if r is not None)
@@ -175,6 +188,22 @@ class SwarmAverager(Averager):
             for task in tasks:
                 if task is not None:
                     task.cancel()
+
+    def _on_majority_base(self, group: Group, base: str) -> Group:
+        """Keep the members whose global parameters (`base` hash) are the group's majority; ties go to the
+        larger hash, so every member picks the same subgroup. A member outside it raises OtherBase."""
+        bases = [m.get("base") for m in group.metas]
+        majority = max(set(bases), key=lambda b: (bases.count(b), str(b)))
+        keep = [i for i, b in enumerate(bases) if b == majority]
+        if base != majority:
+            raise OtherBase(f"global parameters differ from {len(keep)} of {len(bases)} groupmates: "
+                            f"taking their state", [str(group.members[i]) for i in keep])
+        if len(keep) < len(bases):
+            logger.warning(f"{len(bases) - len(keep)} groupmates hold other global parameters; "
+                           f"averaging without them")
+        if len(keep) == 1:
+            raise NoGroup("no groupmate shares our global parameters", alone=True)
+        return Group(group.group_id, [group.members[i] for i in keep], [group.metas[i] for i in keep])
 
     def _local_ok(self, flat: torch.Tensor, samples: int) -> bool:
         """Never send a non-finite pseudo-gradient: peers would reject it and the whole group's round fails."""
@@ -256,8 +285,10 @@ class SwarmAverager(Averager):
             raise ValueError("the donor sent nothing")
         return meta, b"".join(chunks)
 
-    def fetch_state(self, newer_than: int, validate: Callable[[dict], None]) -> Optional[dict[str, Any]]:
-        donors = [r for r in self.peers() if r.round > newer_than and r.serves_state]
+    def fetch_state(self, newer_than: int, validate: Callable[[dict], None],
+                    donors: Optional[list[str]] = None) -> Optional[dict[str, Any]]:
+        donors = [r for r in self.peers() if r.round > newer_than and r.serves_state
+                  and (donors is None or r.peer_id in donors)]
         donors.sort(key=lambda r: (-r.round, random.random()))  # freshest first; spread newcomers over ties
         for donor in donors:
             try:

@@ -68,8 +68,8 @@ class Peers:
         self.tmp, self.procs, self.jobs = tmp, [], []
 
     def start(self, name: str, initial_peers: list[str], *, seed: int, samples: int, numel: int,
-              mode: str = "honest", round: int = 0, fingerprint: str = "fp-test", **cfg) -> dict:
-        job = dict(name=name, mode=mode, seed=seed, samples=samples, numel=numel, round=round,
+              mode: str = "honest", round: int = 0, fingerprint: str = "fp-test", base: str = "", **cfg) -> dict:
+        job = dict(name=name, mode=mode, seed=seed, samples=samples, numel=numel, round=round, base=base,
                    fingerprint=fingerprint, cfg={**FAST, "initial_peers": initial_peers, **cfg},
                    ready=str(self.tmp / f"{name}.ready"), go=str(self.tmp / "go"),
                    out=str(self.tmp / f"{name}.pt"), marker=str(self.tmp / f"{name}.marker"))

@@ -64,8 +64,8 @@ def main(job: dict) -> None:
         while not os.path.exists(job["go"]):
             time.sleep(0.05)
         start = time.monotonic()
-        outcome = averager.average(job["round"], grad, job["samples"])
-        torch.save({"outcome": outcome.__dict__, "wall_s": time.monotonic() - start, "allreduce_s": timings},
+        outcome = averager.average(job["round"], grad, job["samples"], job["base"])
+        torch.save({"outcome": outcome.__dict__, "peer_id": str(dht.peer_id), "wall_s": time.monotonic() - start, "allreduce_s": timings},
                    job["out"])
     finally:
         averager.close()

@@ -86,3 +86,16 @@ def test_nan_sender_is_rejected_never_averaged(bootstrap, peers):
     assert peers.wait(hostile, 30)["outcome"]["averaged"] is None
     check_identical_mean(results, jobs, tol=1e-6)  # exactly the honest mean: the NaN never got in
     assert "rejected the contribution of" in peers.log(jobs[0]) + peers.log(jobs[1])
+
+
+@pytest.mark.timeout(90)
+def test_groupmates_on_other_global_parameters_never_average_together(bootstrap, peers):
+    """Two peers on base A, one on base B: A's average without B; B is told to take A's state."""
+    jobs = [peers.start(f"p{i}", bootstrap, seed=i, samples=s, numel=10_000, base=b)
+            for i, (s, b) in enumerate([(1, "A"), (3, "A"), (5, "B")])]
+    peers.go()
+    results = [peers.wait(job, 60) for job in jobs]
+    check_identical_mean(results[:2], jobs[:2], tol=1e-6)
+    other = results[2]["outcome"]
+    assert other["averaged"] is None and other["behind"]
+    assert sorted(other["donors"]) == sorted(r["peer_id"] for r in results[:2])
