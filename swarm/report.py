@@ -56,25 +56,27 @@ def write_summary(out_dir: Path, run: str, mode: str, config: dict, wall_s: floa
 
 
 def plot_losses(path: Path, peers: list[dict[str, Any]]) -> None:
-    """Every peer's train loss and eval loss per committed round."""
+    """Every peer's train loss per committed round, and the held-out eval loss per round (the same on every
+    peer that committed the round, since they hold the same global parameters)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    evals: dict[int, float] = {}
     for peer in peers:
         rounds = [r["round"] for r in peer["rounds"] if r["committed"]]
-        name = peer["peer_id"][:10]
+        name = peer.get("name", peer["peer_id"][:10])
         ax.plot(rounds, peer["train_loss"], marker=".", alpha=0.7, label=f"train {name}")
-        evals = [(r, e) for r, e in zip(rounds, peer["eval_loss"]) if e is not None]
-        if peer.get("initial_eval_loss") is not None:
-            evals.insert(0, (0, peer["initial_eval_loss"]))
-        if evals:
-            ax.plot(*zip(*evals), marker="o", linestyle="--", label=f"eval {name}")
+        evals.update({r: e for r, e in zip(rounds, peer["eval_loss"]) if e is not None})
+        if rounds and peer.get("initial_eval_loss") is not None:
+            evals.setdefault(rounds[0] - 1, peer["initial_eval_loss"])  # before its first round here
+    if evals:
+        ax.plot(*zip(*sorted(evals.items())), marker="o", color="black", linestyle="--", label="eval (held out)")
     ax.set_xlabel("round (outer step)")
     ax.set_ylabel("loss")
-    ax.set_title("DiLoCo: train and held-out eval loss per round")
+    ax.set_title("DiLoCo: train loss per peer and held-out eval loss per round")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()

@@ -275,7 +275,6 @@ class Trainer:
             self.averager.offer_state(self.diloco.round, self.state_dict())
         return record
 
-
     def _dump(self, record: RoundRecord, pseudo_grad: list[torch.Tensor], samples: int,
               global_before: list[torch.Tensor]) -> None:
         """Evidence for tests: what this peer contributed and what it committed, per attempt."""

@@ -73,6 +73,7 @@ class SwarmAverager(Averager):
         self._codec = codec = get_codec(cfg.compression)
         self._state_handler = schema.handler_name(cfg.run_id, fingerprint, "state")
         self._offered: Optional[tuple[int, bytes, str]] = None  # (round, torch.save bytes, sha256 hex)
+        self._last_progress: Optional[tuple] = None  # publish_progress arguments, re-sent while averaging
         # The averager forks a process: create it before our thread exists.
         self._matchmaker = Matchmaker(cfg, dht, fingerprint)
         self._loop = asyncio.new_event_loop()
@@ -123,6 +124,7 @@ class SwarmAverager(Averager):
         if self.faults.kill_phase == "allreduce" and self.faults.kill_round == round + 1:
             self._allreduce.on_pushed = _die_now
         while (left := deadline - time.monotonic()) > 0:
+            self._refresh_progress()  # a peer waiting for groupmates must not look gone to them
             try:
                 group = self._matchmaker.form_group(
                     round, {"samples": int(samples), "numel": flat.numel(), "base": base},
@@ -211,8 +213,13 @@ class SwarmAverager(Averager):
 
     # ---- progress -------------------------------------------------------------------------------------
 
+    def _refresh_progress(self) -> None:
+        if self._last_progress is not None:
+            self.publish_progress(*self._last_progress)
+
     def publish_progress(self, round: int, inner_step: int, samples: int, samples_per_s: float,
                          ready: bool = False) -> None:
+        self._last_progress = (round, inner_step, samples, samples_per_s, ready)
         now = get_dht_time()
         record = schema.ProgressRecord(
             peer_id=self.peer_id, name=self.peer_name, round=round, inner_step=inner_step, samples=samples,
