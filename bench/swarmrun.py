@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -78,6 +79,16 @@ class Namespaces:
             raise
         return self
 
+    def shaped_bytes(self) -> dict[str, int]:
+        """Bytes each tbf has sent so far (both ends of every link), to check that traffic went through them."""
+        out = {}
+        for name in self.names:
+            text = subprocess.run(["ip", "netns", "exec", name, "tc", "-s", "qdisc", "show"], capture_output=True,
+                                  text=True).stdout
+            for dev, sent in re.findall(r"qdisc tbf \S+ dev (\S+) .*?\n\s*Sent (\d+) bytes", text, re.S):
+                out[f"{name}:{dev}"] = int(sent)
+        return out
+
     def __exit__(self, *exc) -> None:
         for name in reversed(self.names):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
@@ -115,6 +126,7 @@ def run_swarm(cfg: Config, n_peers: int, out: Path, rate: Optional[str] = None, 
             while any(p.poll() is None for p in peers) and time.time() < deadline:
                 time.sleep(0.5)
             wall = time.time() - start
+            shaped = nets.shaped_bytes() if nets else {}
         finally:
             stop(procs)
     summaries, failed = [], []
@@ -124,7 +136,7 @@ def run_swarm(cfg: Config, n_peers: int, out: Path, rate: Optional[str] = None, 
             failed.append(f"peer-{i} (exit {p.returncode})")
         if path.exists():
             summaries.append(json.loads(path.read_text()))
-    return {"peers": summaries, "wall_s": wall, "failed": failed}
+    return {"peers": summaries, "wall_s": wall, "failed": failed, "shaped_bytes": shaped}
 
 
 def utilization(peer: dict) -> dict:
