@@ -11,9 +11,13 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 import yaml
 
 from swarm.config import Config, load_config
+from swarm.data import TrainBatches, load_corpus
+from swarm.model import build_model
+from swarm.trainer import evaluate, lr_lambda
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -44,6 +48,36 @@ def tiny_config(steps: int, inner_steps: int, outer_lr: float = 0.7, **sections:
 def eval_every(rounds: int, points: int = 8) -> int:
     """The largest divisor of `rounds` that still gives about `points` evals (the last round is always one)."""
     return max(k for k in range(1, rounds + 1) if rounds % k == 0 and rounds // k >= min(points, rounds))
+
+
+def train_plain(cfg: Config, shards: list[int], steps: int,
+                eval_points: int = 8) -> tuple[list[tuple[int, float]], float]:
+    """The loop anyone would write: AdamW with the trainer's schedule and clipping; each step averages the
+    gradients of one batch from each shard (one shard: a single worker; M shards: synchronous data parallel with
+    an M x B global batch). Returns the held-out eval curve [(step, loss)] and the training seconds (evals
+    excluded); eval_points=0: no evals."""
+    corpus = load_corpus(cfg.data)
+    batches = [TrainBatches(corpus, cfg.data, s) for s in shards]
+    evals = corpus.eval_batches(cfg.data)
+    model = build_model(cfg.model, corpus.tokenizer.vocab_size)
+    inner = cfg.inner
+    opt = torch.optim.AdamW(model.parameters(), lr=inner.lr, betas=(inner.beta1, inner.beta2), eps=inner.eps,
+                            weight_decay=inner.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(inner, steps))
+    every = max(1, steps // eval_points) if eval_points else steps + 1
+    curve, seconds = [(0, evaluate(model, evals, "cpu"))] if eval_points else [], 0.0
+    for step in range(steps):
+        start = time.perf_counter()
+        batch = torch.cat([b.batch(step) for b in batches])  # mean over M equal batches = mean of M gradients
+        model(input_ids=batch, labels=batch).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), inner.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        seconds += time.perf_counter() - start
+        if eval_points and ((step + 1) % every == 0 or step + 1 == steps):
+            curve.append((step + 1, evaluate(model, evals, "cpu")))
+    return curve, seconds
 
 
 def write_config(cfg: Config, path: Path) -> Path:

@@ -18,41 +18,15 @@ from pathlib import Path
 
 import torch
 
-from bench.common import REPO, RESULTS, md_table, stamp, tiny_config, write_config
+from bench.common import REPO, RESULTS, md_table, stamp, tiny_config, train_plain, write_config
 from peers.local_trainers import simulate
-from swarm.data import TrainBatches, load_corpus
+from swarm.data import load_corpus
 from swarm.model import build_model, count_parameters
-from swarm.trainer import evaluate, lr_lambda
 
 M = 4
 FULL = dict(steps=400, grid=[(10, 0.3), (10, 0.5), (25, 0.5), (25, 0.7), (50, 0.5), (50, 0.7), (50, 1.0),
                              (100, 0.7), (100, 1.0)], swarm_point=(50, 0.7))
 QUICK = dict(steps=60, grid=[(10, 0.3), (30, 0.7)], swarm_point=(30, 0.7))
-
-
-def train_plain(cfg, shards: list[int], steps: int, eval_points: int = 8) -> tuple[list[tuple[int, float]], float]:
-    """AdamW with the trainer's schedule; each step averages the gradients of one batch from each shard
-    (one shard: a single worker; M shards: synchronous data parallel with an M x B global batch)."""
-    corpus = load_corpus(cfg.data)
-    batches = [TrainBatches(corpus, cfg.data, s) for s in shards]
-    evals = corpus.eval_batches(cfg.data)
-    model = build_model(cfg.model, corpus.tokenizer.vocab_size)
-    inner = cfg.inner
-    opt = torch.optim.AdamW(model.parameters(), lr=inner.lr, betas=(inner.beta1, inner.beta2), eps=inner.eps,
-                            weight_decay=inner.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(inner, steps))
-    every = max(1, steps // eval_points)
-    curve, start = [(0, evaluate(model, evals, "cpu"))], time.perf_counter()
-    for step in range(steps):
-        batch = torch.cat([b.batch(step) for b in batches])  # mean over M equal batches = mean of M gradients
-        model(input_ids=batch, labels=batch).loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), inner.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        if (step + 1) % every == 0 or step + 1 == steps:
-            curve.append((step + 1, evaluate(model, evals, "cpu")))
-    return curve, time.perf_counter() - start
 
 
 def diloco_sim(steps: int, h: int, olr: float, tmp: Path) -> tuple[list[tuple[int, float]], float]:

@@ -15,30 +15,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import REPO, md_table, stamp, tiny_config, write_config
-from swarm.data import TrainBatches, load_corpus
-from swarm.model import build_model
-from swarm.trainer import lr_lambda
-
-
-def plain_loop(cfg, steps: int) -> float:
-    """Seconds for `steps` AdamW steps on shard 0: the loop anyone would write."""
-    corpus = load_corpus(cfg.data)
-    batches = TrainBatches(corpus, cfg.data, 0)
-    model = build_model(cfg.model, corpus.tokenizer.vocab_size)
-    inner = cfg.inner
-    opt = torch.optim.AdamW(model.parameters(), lr=inner.lr, betas=(inner.beta1, inner.beta2), eps=inner.eps,
-                            weight_decay=inner.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(inner, steps))
-    start = time.perf_counter()
-    for step in range(steps):
-        batch = batches.batch(step)
-        model(input_ids=batch, labels=batch).loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), inner.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
+from bench.common import REPO, md_table, stamp, tiny_config, train_plain, write_config
 
 
 def solo(cfg, tmp: Path, i: int) -> dict:
@@ -61,7 +38,7 @@ def run(quick: bool) -> dict:
     plain, solos = [], []
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
         for i in range(repeats):  # alternate, so load from elsewhere on the machine hits both alike
-            plain.append(plain_loop(cfg, steps))
+            plain.append(train_plain(cfg, [0], steps, eval_points=0)[1])
             solos.append(solo(cfg, Path(tmp), i))
     plain_tps = tokens / min(plain)
     inner_tps = tokens / min(s["compute_s"] for s in solos)
