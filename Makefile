@@ -27,15 +27,13 @@ test: install
 lint: install
 	$(BIN)/ruff check swarm peers tests bench
 
-# Benchmarks: each entry of BENCHES is a module under bench/ run with `python -m`; add yours to the list.
-# `bench-quick` passes --quick (shorter runs). Results land in bench/results/.
-BENCHES := bench.compression
-
+# Benchmarks: bench/run.py runs every module in its MODULES list (bench/<name>.py with run(quick) or main());
+# `bench-quick` passes --quick (a few minutes). Results: bench/results/<name>.json and bench/results/README.md.
 bench: install
-	@for b in $(BENCHES); do echo "== $$b"; $(BIN)/python -m $$b || exit 1; done
+	$(BIN)/python -m bench.run
 
 bench-quick: install
-	@for b in $(BENCHES); do echo "== $$b"; $(BIN)/python -m $$b --quick || exit 1; done
+	$(BIN)/python -m bench.run --quick
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
