@@ -123,7 +123,8 @@ class SwarmAverager(Averager):
         reason = "round_timeout too short for one attempt"
         if self.faults.kill_phase == "allreduce" and self.faults.kill_round == round + 1:
             self._allreduce.on_pushed = _die_now
-        while (left := deadline - time.monotonic()) > 0:
+        # hivemind refuses a step whose timeout is shorter than its matchmaking time: stop before that.
+        while (left := deadline - time.monotonic()) > self.cfg.matchmaking_time:
             self._refresh_progress()  # a peer waiting for groupmates must not look gone to them
             try:
                 group = self._matchmaker.form_group(
