@@ -42,12 +42,15 @@ def launch(mode: str, comp: str, n: int, sizes: list[int], maddrs: list[str], tm
         job = dict(mode=mode, compression=comp, peers=n, sizes=sizes, initial_peers=maddrs, name=f"p{i}", seed=i,
                    dir=str(d), run_id=f"bench-ar-{mode}-{comp}-{n}-{int(time.time())}", timeout=timeout)
         procs.append(spawn(["-m", "bench.arpeer", json.dumps(job)], d / f"p{i}.log"))
+    steps = [str(k) for k in range(len(sizes))] + [str(len(sizes))]  # the sizes, then "all done"
+    if mode == "hivemind":  # one averager per size: nobody shuts theirs down before everybody finished
+        steps = [s for k in range(len(sizes)) for s in (str(k), f"{k}.done")] + [str(len(sizes))]
     try:
-        for k in range(len(sizes)):
+        for k in steps:
             deadline = time.time() + 300
             while not all((d / f"p{i}.{k}.ready").exists() for i in range(n)):
                 if any(p.poll() is not None for p in procs) or time.time() > deadline:
-                    raise RuntimeError(f"{mode} {comp} x{n}: a peer exited or stalled before size {sizes[k]}")
+                    raise RuntimeError(f"{mode} {comp} x{n}: a peer exited or stalled at step {k} of {steps}")
                 time.sleep(0.05)
             (d / f"go.{k}").touch()
         for p in procs:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 
-def barrier(job: dict, k: int) -> None:
+def barrier(job: dict, k: int | str) -> None:
     d = Path(job["dir"])
     (d / f"{job['name']}.{k}.ready").touch()
     deadline = time.time() + 600
@@ -40,7 +40,7 @@ def run_swarm(job: dict) -> list[dict]:
     n = job["peers"]
     cfg = SwarmConfig(initial_peers=job["initial_peers"], run_id=job["run_id"], compression=job["compression"],
                       target_group_size=n, min_group_size=n, matchmaking_time=30.0, request_timeout=3.0,
-                      allreduce_timeout=job["timeout"], round_timeout=2 * job["timeout"], bootstrap_timeout=60.0)
+                      allreduce_timeout=job["timeout"], round_timeout=job["timeout"] + 15, bootstrap_timeout=60.0)
     fingerprint = f"bench-{job['compression']}"
     dht = start_dht(cfg, fingerprint=fingerprint)
     averager = SwarmAverager(cfg, dht, fingerprint, job["name"])
@@ -67,6 +67,7 @@ def run_swarm(job: dict) -> list[dict]:
                         "group_size": outcome.group_size, "bytes_sent": outcome.bytes_sent, "note": outcome.note})
             timings.clear()
             del grad, outcome
+        barrier(job, len(job["sizes"]))  # stay until every peer is done: groupmates may still fetch our part
     finally:
         averager.close()
         dht.shutdown()
@@ -104,13 +105,15 @@ def run_hivemind(job: dict) -> list[dict]:
             try:
                 barrier(job, k)
                 start = time.perf_counter()
-                result = averager.step(timeout=2 * job["timeout"])
+                result = averager.step(timeout=job["timeout"] + 15)
                 wall = time.perf_counter() - start
                 inplace = [float(x) for x in times_file.read_text().split()] if times_file.exists() else []
                 out.append({"numel": numel, "call_s": wall, "allreduce_s": inplace[-1] if inplace else None,
                             "ok": result is not None and len(result) == job["peers"]})
+                barrier(job, f"{k}.done")  # as above: nobody leaves while others may still need it
             finally:
                 averager.shutdown()
+        barrier(job, len(job["sizes"]))
     finally:
         dht.shutdown()
     return out
