@@ -267,9 +267,10 @@ class Trainer:
         )
         self.history.rounds.append(record)
         if committed:
-            log.info("round %d committed: train loss %.4f, eval loss %s, group %d, compute %.1fs, comm %.2fs, "
-                     "global %s", record.round, train_loss, "-" if eval_loss is None else f"{eval_loss:.4f}",
-                     outcome.group_size, compute_s, outcome.comm_s, record.global_sha256[:12])
+            log.info("round %d committed: train loss %.4f, eval loss %s, group %d, %.0f tokens/s, compute %.1fs, "
+                     "comm %.2fs, global %s", record.round, train_loss,
+                     "-" if eval_loss is None else f"{eval_loss:.4f}", outcome.group_size, tokens_per_s, compute_s,
+                     outcome.comm_s, record.global_sha256[:12])
             if self.checkpointer is not None and self.diloco.round % self.cfg.checkpoint.every == 0:
                 self.save_checkpoint()
             self.averager.offer_state(self.diloco.round, self.state_dict())
