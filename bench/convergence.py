@@ -25,7 +25,7 @@ from swarm.model import build_model, count_parameters
 
 M = 4
 FULL = dict(steps=400, grid=[(10, 0.3), (10, 0.7), (25, 0.7), (50, 0.5), (50, 0.7), (50, 1.0), (100, 1.0)],
-            swarm_point=(50, 0.7))
+            swarm_point=(50, 0.7), long=(1600, [(50, 0.7)]))
 QUICK = dict(steps=60, grid=[(10, 0.3), (30, 0.7)], swarm_point=(30, 0.7))
 
 
@@ -60,6 +60,23 @@ def diloco_swarm(steps: int, h: int, olr: float, tmp: Path) -> dict:
             "identical_globals": len({p["final_global_sha256"] for p in peers}) == 1,
             "rounds": [p["rounds_completed"] for p in peers],
             "samples_per_round": [r["samples"] for r in peers[0]["rounds"]]}
+
+
+def long_points(steps: int, grid: list[tuple[int, float]], tmp: Path) -> tuple[list[dict], str]:
+    """Where DiLoCo needs more rounds to pay off: single worker vs DiLoCo at `steps` per worker (no DP: too slow)."""
+    cfg = tiny_config(steps, steps)
+    curve, secs = train_plain(cfg, [0], steps)
+    points = [dict(method="single worker", label=f"single (B), {steps} steps", H=None, outer_lr=None, curve=curve,
+                   seconds=secs, allreduces=0, steps=steps)]
+    for h, olr in grid:
+        curve, secs = diloco_sim(steps, h, olr, tmp)
+        points.append(dict(method="DiLoCo", label=f"DiLoCo H={h} olr={olr}, {steps} steps", H=h, outer_lr=olr,
+                           curve=curve, seconds=secs, allreduces=steps // h, steps=steps))
+    single = points[0]["curve"][-1][1]
+    rows = [[p["method"], p["H"] or "–", p["outer_lr"], steps, f"{p['curve'][-1][1]:.4f}",
+             f"{p['curve'][-1][1] - single:+.3f}", p["allreduces"], f"{p['seconds']:.0f}"] for p in points]
+    return points, md_table(["method", "H", "outer lr", "steps / worker", "eval loss", "vs single", "all-reduces",
+                             "wall s"], rows)
 
 
 def plot(points: list[dict], path: Path) -> None:
@@ -106,6 +123,7 @@ def run(quick: bool) -> dict:
             print(f"  convergence: H={h} olr={olr}: eval {curve[-1][1]:.4f} ({secs:.0f}s)", flush=True)
         h, olr = spec["swarm_point"]
         swarm = diloco_swarm(steps, h, olr, Path(tmp))
+        long, long_table = long_points(*spec["long"], Path(tmp)) if "long" in spec else ([], "")
     sim_point = next(p for p in points if p["H"] == h and p["outer_lr"] == olr)
     swarm.update(H=h, outer_lr=olr, sim_eval_loss=sim_point["curve"][-1][1])
     if "eval_loss" in swarm:
@@ -132,10 +150,13 @@ def run(quick: bool) -> dict:
              if "eval_loss" in swarm else f"real swarm point failed: {swarm.get('error')}")
     best = min((p for p in points if p["method"] == "DiLoCo"), key=lambda p: p["eval_loss"])
     RESULTS.mkdir(parents=True, exist_ok=True)
-    plot(points, RESULTS / "convergence.png")
+    plot(points + long, RESULTS / "convergence.png")
     table += (f"\n\n{params / 1e6:.2f}M-parameter Llama, {M} workers, batch {cfg.data.batch_size}x{cfg.data.seq_len} "
               f"per worker, {steps} inner steps per worker, inner AdamW lr {cfg.inner.lr}. Best DiLoCo: H={best['H']} "
               f"olr={best['outer_lr']} at {best['eval_loss']:.4f}. {agree}. Plot: convergence.png")
+    if long_table:
+        table += f"\n\nLonger runs (more rounds), same settings otherwise:\n\n{long_table}"
     return {"table": table, "config": {"steps": steps, "workers": M, "params": params, "grid": spec["grid"],
-                                       "swarm_point": spec["swarm_point"], "base": cfg.to_dict()},
-            "points": points, "swarm": swarm, "timestamp": stamp()}
+                                       "swarm_point": spec["swarm_point"], "long": spec.get("long"),
+                                       "base": cfg.to_dict()},
+            "points": points, "swarm": swarm, "long": long, "timestamp": stamp()}
