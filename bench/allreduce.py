@@ -81,6 +81,30 @@ def summarize(peers: list[dict], sizes: list[int]) -> dict[int, dict]:
     return out
 
 
+def make_table(results: dict[tuple, dict], quick: bool) -> str:
+    """One row per (params, peers, compression): swarm and hivemind side by side."""
+    def cell(r: dict | None, key: str) -> str:
+        if r is None:
+            return "–"
+        if "error" in r:
+            return "failed"
+        return f"{r[key]:.2f}" + ("" if r["ok"] else " (incomplete)") if r[key] is not None else "–"
+
+    rows = []
+    for size, n, comp in sorted({k[:3] for k in results}, key=lambda k: (k[0], k[1], k[2])):
+        ours, theirs = results.get((size, n, comp, "swarm")), results.get((size, n, comp, "hivemind"))
+        ratio = (f"{theirs['allreduce_s'] / ours['allreduce_s']:.2f}" if ours and theirs and "error" not in ours
+                 and "error" not in theirs and ours["allreduce_s"] and theirs["allreduce_s"] else "–")
+        rows.append([f"{size / M:g}M", n, comp, cell(ours, "allreduce_s"), cell(ours, "call_s"),
+                     cell(theirs, "allreduce_s"), cell(theirs, "call_s"), ratio])
+    table = md_table(["params", "peers", "compression", "swarm all-reduce s", "swarm call s (with matchmaking)",
+                      "hivemind all-reduce s", "hivemind step s (with matchmaking)", "hivemind / swarm"], rows)
+    table += (f"\n\nSlowest peer, one try each, loopback, every peer its own process on 2 shared cores (1 torch "
+              f"thread). hivemind int8 = BlockwiseQuantization (bitsandbytes 8-bit). Skipped: "
+              f"{SKIPPED if not quick else 'quick mode: 1M only, 2 and 4 peers'}.")
+    return table
+
+
 def run(quick: bool) -> dict:
     spec = QUICK if quick else FULL
     timeout = 120.0
@@ -103,25 +127,7 @@ def run(quick: bool) -> dict:
         swarm_boot.shutdown()
         plain_boot.shutdown()
 
-    def cell(r: dict | None, key: str) -> str:
-        if r is None:
-            return "–"
-        if "error" in r:
-            return "failed"
-        return f"{r[key]:.2f}" + ("" if r["ok"] else " (incomplete)") if r[key] is not None else "–"
-
-    rows = []
-    for size, n, comp in sorted({k[:3] for k in results}, key=lambda k: (k[0], k[1], k[2])):
-        ours, theirs = results.get((size, n, comp, "swarm")), results.get((size, n, comp, "hivemind"))
-        ratio = (f"{theirs['allreduce_s'] / ours['allreduce_s']:.2f}" if ours and theirs and "error" not in ours
-                 and "error" not in theirs and ours["allreduce_s"] and theirs["allreduce_s"] else "–")
-        rows.append([f"{size / M:g}M", n, comp, cell(ours, "allreduce_s"), cell(ours, "call_s"),
-                     cell(theirs, "allreduce_s"), cell(theirs, "call_s"), ratio])
-    table = md_table(["params", "peers", "compression", "swarm all-reduce s", "swarm call s (with matchmaking)",
-                      "hivemind all-reduce s", "hivemind step s (with matchmaking)", "hivemind / swarm"], rows)
-    table += (f"\n\nSlowest peer, one try each, loopback, every peer its own process on 2 shared cores (1 torch "
-              f"thread). hivemind int8 = BlockwiseQuantization (bitsandbytes 8-bit). Skipped: "
-              f"{SKIPPED if not quick else 'quick mode: 1M only, 2 and 4 peers'}.")
+    table = make_table(results, quick)
     return {"table": table, "config": {**spec, "timeout": timeout}, "skipped": SKIPPED,
             "results": [{"params": k[0], "peers": k[1], "compression": k[2], "impl": k[3], **v}
                         for k, v in results.items()], "raw": raw, "timestamp": stamp()}

@@ -80,6 +80,8 @@ def run_hivemind(job: dict) -> list[dict]:
     from hivemind.compression import BlockwiseQuantization, Float16Compression, NoCompression
 
     compression = {"none": NoCompression(), "fp16": Float16Compression(), "int8": BlockwiseQuantization()}
+    if job["compression"] == "int8":  # import bitsandbytes before the averager forks, or every step pays ~3-5 s
+        import bitsandbytes  # noqa: F401
     times_file = Path(job["dir"]) / f"{job['name']}.inplace"
     inner = DecentralizedAverager._run_allreduce_inplace_
 
