@@ -84,6 +84,13 @@ class _Group:
         self.result: asyncio.Future[runtime_pb2.Tensor] = asyncio.get_running_loop().create_future()
         self.result.add_done_callback(lambda f: f.exception())  # a failure nobody fetched is not an error
         self.bytes_sent = self.bytes_received = 0
+        self.served: set[int] = set()  # groupmates that fetched this member's result
+
+    def settled(self) -> bool:
+        """Failed, or every groupmate has fetched our part: nobody depends on this member any more."""
+        if self.result.done() and self.result.exception() is not None:
+            return True
+        return self.served >= set(range(len(self.members))) - {self.me}
 
     def index_of(self, peer: PeerID) -> int:
         if peer not in self.members:
@@ -262,7 +269,7 @@ class AllReduce:
                          context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
         try:
             group = await self._wait_group(request.group_id)
-            group.index_of(context.remote_id)
+            index = group.index_of(context.remote_id)
             msg = await asyncio.wait_for(asyncio.shield(group.result), self.timeout)
         except (TimeoutError, CodecError, AllReduceFailed) as e:
             logger.debug(f"all-reduce: no result for {context.remote_id}: {e!r}")
@@ -271,3 +278,18 @@ class AllReduce:
         for chunk in split_for_streaming(msg, CHUNK_BYTES):
             group.bytes_sent += chunk.ByteSize()
             yield averaging_pb2.AveragingData(code=OK, tensor_part=chunk)
+        group.served.add(index)
+
+    async def drain(self) -> list[bytes]:
+        """Wait (at most `timeout`) until every group run here is settled; return the ids still unsettled.
+
+        A member that leaves right after its last all-reduce would otherwise take its part with it: a
+        groupmate still fetching that part fails the round that this member already committed.
+        """
+        deadline = asyncio.get_running_loop().time() + self.timeout
+        while True:
+            pending = [gid for gid, slot in self._groups.items()
+                       if slot.done() and not slot.exception() and not slot.result().settled()]
+            if not pending or asyncio.get_running_loop().time() >= deadline:
+                return pending
+            await asyncio.sleep(0.05)

@@ -327,8 +327,17 @@ class SwarmAverager(Averager):
         if hasattr(self, "_p2p"):
             await self._p2p.shutdown()  # a replica: closes our client, the DHT's daemon keeps running
 
+    async def _drain(self) -> None:
+        for allreduce in (getattr(self, "_allreduce", None), getattr(self, "_allreduce_fp32", None)):
+            if allreduce is not None and (pending := await allreduce.drain()):
+                logger.warning(f"leaving with {len(pending)} all-reduce(s) not fetched by every groupmate")
+
     def close(self) -> None:
         if self._thread.is_alive():
+            try:  # serve our last parts to groupmates still fetching them, then stop
+                self._call(self._drain(), 2 * self.cfg.allreduce_timeout + self.cfg.request_timeout)
+            except Exception as e:  # the daemon may be gone already; shutting down anyway
+                logger.warning(f"serving the last all-reduce before leaving failed: {e!r}")
             try:
                 self._call(self._stop_handlers(), self.cfg.request_timeout)
             except Exception as e:  # the daemon may be gone already; shutting down anyway

@@ -3,7 +3,8 @@
 The job names the config overrides, the vector (seeded), the round and a mode:
 - "honest": average the vector;
 - "nan": a hostile peer that skips the local finiteness check and sends a NaN;
-- "victim": pushes one part only, tells the test (marker file) and waits to be SIGKILLed.
+- "victim": pushes one part only, tells the test (marker file) and waits to be SIGKILLed;
+- "slow_fetch": fetches the averaged parts 2 s late, when fast groupmates may already be leaving.
 The result goes to `out` (torch.save); `ready` marks that the peer is up, and it starts averaging when
 the file `go` appears, so all peers of a test enter matchmaking together.
 """
@@ -45,6 +46,13 @@ def main(job: dict) -> None:
                 Path(job["marker"]).touch()
                 await asyncio.sleep(3600)
             allreduce.AllReduce._push = push_one_then_hang
+        if job["mode"] == "slow_fetch":  # fetches the others' parts late, after they may have left
+            fetch = allreduce.AllReduce._fetch
+
+            async def late_fetch(self, group, j):
+                await asyncio.sleep(2.0)
+                return await fetch(self, group, j)
+            allreduce.AllReduce._fetch = late_fetch
         run = averager._allreduce.run
         timings = []
 

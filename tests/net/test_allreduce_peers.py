@@ -99,3 +99,13 @@ def test_groupmates_on_other_global_parameters_never_average_together(bootstrap,
     other = results[2]["outcome"]
     assert other["averaged"] is None and other["behind"]
     assert sorted(other["donors"]) == sorted(r["peer_id"] for r in results[:2])
+
+
+@pytest.mark.timeout(90)
+def test_a_member_that_leaves_right_after_its_last_round_still_serves_its_part(bootstrap, peers):
+    """The fast member exits as soon as average() returns; the slow one must still get its part."""
+    jobs = [peers.start("fast", bootstrap, seed=1, samples=1, numel=50_000),
+            peers.start("slow", bootstrap, seed=2, samples=1, numel=50_000, mode="slow_fetch")]
+    peers.go()
+    results = [peers.wait(job, 60) for job in jobs]
+    check_identical_mean(results, jobs, tol=1e-6)
