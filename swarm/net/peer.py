@@ -123,6 +123,8 @@ class SwarmAverager(Averager):
         reason = "round_timeout too short for one attempt"
         if self.faults.kill_phase == "allreduce" and self.faults.kill_round == round + 1:
             self._allreduce.on_pushed = _die_now
+        if self._last_progress is None or self._last_progress[0] != round:  # announce: ready for this round
+            self.publish_progress(round, 0, samples, 0.0, ready=True)
         # hivemind refuses a step whose timeout is shorter than its matchmaking time: stop before that.
         while (left := deadline - time.monotonic()) > self.cfg.matchmaking_time:
             self._refresh_progress()  # a peer waiting for groupmates must not look gone to them
@@ -234,15 +236,16 @@ class SwarmAverager(Averager):
         except concurrent.futures.TimeoutError:
             logger.warning(f"progress record not confirmed within {self.cfg.request_timeout:g} s")
 
-    def peers(self) -> list[schema.ProgressRecord]:
-        """Live progress records of the other peers of this run."""
+    def peers(self, include_self: bool = False) -> list[schema.ProgressRecord]:
+        """Live progress records of the other peers of this run (and ours, with `include_self`)."""
         found = self.dht.get(schema.progress_key(self.cfg.run_id), latest=True)
         if found is None or not isinstance(found.value, dict):
             return []
         now, records = get_dht_time(), []
         for subkey, item in found.value.items():
             record = schema.parse_progress(item.value)
-            if record is not None and record.peer_id == subkey != self.peer_id and item.expiration_time > now:
+            if (record is not None and record.peer_id == subkey and item.expiration_time > now
+                    and (include_self or subkey != self.peer_id)):
                 records.append(record)
         return records
 
@@ -250,9 +253,16 @@ class SwarmAverager(Averager):
         return any(r.round == round and r.ready for r in self.peers())
 
     def _swarm_position(self, round: int) -> tuple[list[int], list[str]]:
-        """(rounds of live peers ahead of `round`, names of live peers at `round`)."""
-        records = self.peers()
-        return [r.round for r in records if r.round > round], [r.name for r in records if r.round == round]
+        """(rounds of live peers ahead of `round`, names of live peers at `round`).
+
+        A read that misses our own fresh record failed (a DHT time-out looks like an empty swarm): then
+        everyone counts as possibly here, so a peer never commits "alone" on a read it cannot trust.
+        """
+        records = self.peers(include_self=True)
+        if not any(r.peer_id == self.peer_id for r in records):
+            return [], ["(progress records unreadable)"]
+        others = [r for r in records if r.peer_id != self.peer_id]
+        return [r.round for r in others if r.round > round], [r.name for r in others if r.round == round]
 
     # ---- state ----------------------------------------------------------------------------------------
 
