@@ -26,6 +26,18 @@ def fast_cfg(**overrides) -> SwarmConfig:
     return SwarmConfig(**{**FAST, **overrides})
 
 
+@contextlib.contextmanager
+def three_dhts():
+    """Three connected DHTs in this process (their daemons on loopback), shut down on exit."""
+    started = [start_dht(fast_cfg())]
+    try:
+        started += [start_dht(fast_cfg(initial_peers=visible_maddrs(started[0]))) for _ in range(2)]
+        yield started
+    finally:
+        for dht in started:
+            dht.shutdown()
+
+
 @pytest.fixture
 def bootstrap():
     dht = start_dht(fast_cfg())

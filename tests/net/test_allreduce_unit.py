@@ -5,25 +5,18 @@ import time
 
 import pytest
 import torch
-from conftest import fast_cfg
+from conftest import three_dhts
 from hivemind.proto import runtime_pb2
 
 from swarm.errors import SwarmError
 from swarm.net.allreduce import AllReduce, AllReduceFailed, part_bounds
 from swarm.net.codec import CodecError, get_codec
-from swarm.net.dht import start_dht, visible_maddrs
 
 
 @pytest.fixture(scope="module")
 def dhts():
-    first = start_dht(fast_cfg())
-    started = [first]
-    try:
-        started += [start_dht(fast_cfg(initial_peers=visible_maddrs(first))) for _ in range(2)]
+    with three_dhts() as started:
         yield started
-    finally:
-        for dht in started:
-            dht.shutdown()
 
 
 def run_group(dhts, vectors, weights, *, timeout=10.0, codec="none", skip=(), group_id=b"g"):

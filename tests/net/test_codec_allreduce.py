@@ -7,12 +7,11 @@ import logging
 
 import pytest
 import torch
-from conftest import fast_cfg
+from conftest import three_dhts
 from peer_proc import make_vector
 
 from swarm.net.allreduce import AllReduce, AllReduceFailed, part_bounds
 from swarm.net.codec import FP32_BELOW, get_codec
-from swarm.net.dht import start_dht, visible_maddrs
 
 # Bound on |result - exact weighted mean| per element, as a fraction of the largest |input| (one quantization
 # of each contribution, one of the result): int8 2/250, int4 2/14; fp16: of the largest |input| there.
@@ -22,14 +21,8 @@ REL_BOUND = {"none": 1e-6, "fp16": 1e-3, "int8": 0.015, "int4": 0.16}
 
 @pytest.fixture
 def dhts():  # fresh daemons per test: a later group on the same replicated daemons lost its streams
-    first = start_dht(fast_cfg())
-    started = [first]
-    try:
-        started += [start_dht(fast_cfg(initial_peers=visible_maddrs(first))) for _ in range(2)]
+    with three_dhts() as started:
         yield started
-    finally:
-        for dht in started:
-            dht.shutdown()
 
 
 def run_group(dhts, vectors, weights, codec, tamper=None):
