@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import logging
 import threading
 import time
 from pathlib import Path
@@ -16,8 +15,6 @@ from swarm.averaging import SimAverager, SoloAverager
 from swarm.config import Config
 from swarm.report import format_table, peer_summary, write_summary
 from swarm.trainer import Trainer
-
-log = logging.getLogger("swarm")
 
 
 def run_solo(cfg: Config, out_dir: Path) -> Path:

@@ -143,7 +143,6 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     progress_bar: bool = True
-    log_every: int = 10  # inner steps between loss lines when the bar is off
     dump_tensors: bool = False  # write each round's pseudo-gradient, weight and new global params to <out>/tensors
 
 

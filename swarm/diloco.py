@@ -15,7 +15,7 @@ local model moved *against* it). With outer lr 1 and no momentum the outer step 
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -31,6 +31,7 @@ class DiLoCo:
             self.global_params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0
         )
         self.round = 0  # outer steps committed so far
+        self._sha256: Optional[str] = None  # hash of global_params; reset whenever they change
 
     @torch.no_grad()
     def pseudo_gradient(self) -> list[torch.Tensor]:
@@ -48,6 +49,7 @@ class DiLoCo:
                 raise ValueError(f"averaged pseudo-gradient shape {tuple(delta.shape)} != {tuple(g.shape)}")
             g.grad = delta.to(g.device, torch.float32)
         self.outer_optimizer.step()
+        self._sha256 = None
         self.outer_optimizer.zero_grad(set_to_none=True)
         self.round += 1
         self.sync_local()
@@ -60,10 +62,12 @@ class DiLoCo:
 
     def global_sha256(self) -> str:
         """Hash of the global parameters' bytes: equal on every peer that committed the same rounds."""
-        digest = hashlib.sha256()
-        for g in self.global_params:
-            digest.update(g.detach().cpu().contiguous().numpy().tobytes())
-        return digest.hexdigest()
+        if self._sha256 is None:
+            digest = hashlib.sha256()
+            for g in self.global_params:
+                digest.update(g.detach().cpu().contiguous().numpy().tobytes())
+            self._sha256 = digest.hexdigest()
+        return self._sha256
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -91,4 +95,5 @@ class DiLoCo:
             g.copy_(t)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         self.round = int(state["round"])
+        self._sha256 = None
         self.sync_local()

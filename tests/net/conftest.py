@@ -38,6 +38,32 @@ def three_dhts():
             dht.shutdown()
 
 
+def run_group(dhts, vectors, weights, *, codec="none", timeout=10.0, skip=(), group_id=b"g"):
+    """One in-process all-reduce among `dhts`; members in `skip` never start it.
+    Returns (members, result or exception per started member)."""
+    import asyncio
+
+    from swarm.net.allreduce import AllReduce
+    from swarm.net.codec import get_codec
+
+    async def main():
+        p2ps = [await dht.replicate_p2p() for dht in dhts]
+        services = [AllReduce(p2p, "unit", get_codec(codec), timeout) for p2p in p2ps]
+        for service in services:
+            await service.start()
+        members = [p2p.peer_id for p2p in p2ps]
+        try:
+            runs = [s.run(group_id, members, v, w) for i, (s, v, w) in enumerate(zip(services, vectors, weights))
+                    if i not in skip]
+            return members, await asyncio.gather(*runs, return_exceptions=True)
+        finally:
+            for service in services:
+                await service.stop()
+            for p2p in p2ps:
+                await p2p.shutdown()
+    return asyncio.run(main())
+
+
 @pytest.fixture
 def bootstrap():
     dht = start_dht(fast_cfg())

@@ -1,15 +1,14 @@
 """AllReduce and codecs in one process (three DHTs, one asyncio loop): validation and time-outs."""
 
-import asyncio
 import time
 
 import pytest
 import torch
-from conftest import three_dhts
+from conftest import run_group, three_dhts
 from hivemind.proto import runtime_pb2
 
 from swarm.errors import SwarmError
-from swarm.net.allreduce import AllReduce, AllReduceFailed, part_bounds
+from swarm.net.allreduce import AllReduceFailed, part_bounds
 from swarm.net.codec import CodecError, get_codec
 
 
@@ -17,26 +16,6 @@ from swarm.net.codec import CodecError, get_codec
 def dhts():
     with three_dhts() as started:
         yield started
-
-
-def run_group(dhts, vectors, weights, *, timeout=10.0, codec="none", skip=(), group_id=b"g"):
-    """Run one all-reduce; members in `skip` never start it. Returns results or exceptions per member."""
-    async def main():
-        p2ps = [await dht.replicate_p2p() for dht in dhts]
-        services = [AllReduce(p2p, "unit", get_codec(codec), timeout) for p2p in p2ps]
-        for service in services:
-            await service.start()
-        members = [p2p.peer_id for p2p in p2ps]
-        try:
-            runs = [s.run(group_id, members, v, w) for i, (s, v, w) in enumerate(zip(services, vectors, weights))
-                    if i not in skip]
-            return await asyncio.gather(*runs, return_exceptions=True)
-        finally:
-            for service in services:
-                await service.stop()
-            for p2p in p2ps:
-                await p2p.shutdown()
-    return asyncio.run(main())
 
 
 def test_part_bounds_cover_everything():
@@ -62,7 +41,7 @@ def test_codecs_round_trip_and_refuse_foreign_payloads():
 @pytest.mark.timeout(30)
 def test_weighted_mean_identical_and_bytes_counted(dhts):
     vectors, weights = [torch.randn(10_001) for _ in range(3)], [1.0, 0.0, 3.0]
-    results = run_group(dhts, vectors, weights, codec="fp16")
+    _, results = run_group(dhts, vectors, weights, codec="fp16")
     expected = (vectors[0] * 1 + vectors[2] * 3) / 4
     for r in results:
         assert torch.equal(r.tensor, results[0].tensor)
@@ -84,13 +63,13 @@ def test_bad_input_fails_every_member(dhts, bad):
         weights[0] = float("nan")
     if bad == "zero total":
         weights = [0.0, 0.0, 0.0]
-    results = run_group(dhts, vectors, weights, group_id=bad.encode())
+    _, results = run_group(dhts, vectors, weights, group_id=bad.encode())
     assert all(isinstance(r, AllReduceFailed) for r in results), results
 
 
 @pytest.mark.timeout(30)
 def test_missing_member_times_out_and_nobody_hangs(dhts):
     start = time.monotonic()
-    results = run_group(dhts, [torch.randn(100)] * 3, [1.0] * 3, timeout=2.0, skip={2})
+    _, results = run_group(dhts, [torch.randn(100)] * 3, [1.0] * 3, timeout=2.0, skip={2})
     assert all(isinstance(r, AllReduceFailed) for r in results), results
     assert time.monotonic() - start < 2.0 + 2.0

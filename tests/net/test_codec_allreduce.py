@@ -2,15 +2,14 @@
 every member, bytes counted, bad input refused naming the sender; and through SwarmAverager processes with
 small tensors in fp32 and the error-feedback residual."""
 
-import asyncio
 import logging
 
 import pytest
 import torch
-from conftest import three_dhts
+from conftest import run_group, three_dhts
 from peer_proc import make_vector
 
-from swarm.net.allreduce import AllReduce, AllReduceFailed, part_bounds
+from swarm.net.allreduce import AllReduceFailed, part_bounds
 from swarm.net.codec import FP32_BELOW, get_codec
 
 # Bound on |result - exact weighted mean| per element, as a fraction of the largest |input| (one quantization
@@ -25,27 +24,6 @@ def dhts():  # fresh daemons per test: a later group on the same replicated daem
         yield started
 
 
-def run_group(dhts, vectors, weights, codec, tamper=None):
-    async def main():
-        p2ps = [await dht.replicate_p2p() for dht in dhts]
-        services = [AllReduce(p2p, "q", get_codec(codec), 10.0) for p2p in p2ps]
-        if tamper is not None:
-            tamper(services[tamper.index].codec)
-        for service in services:
-            await service.start()
-        members = [p2p.peer_id for p2p in p2ps]
-        try:
-            return members, await asyncio.gather(*[s.run(b"g", members, v, w)
-                                                   for s, v, w in zip(services, vectors, weights)],
-                                                 return_exceptions=True)
-        finally:
-            for service in services:
-                await service.stop()
-            for p2p in p2ps:
-                await p2p.shutdown()
-    return asyncio.run(main())
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("codec", ["none", "fp16", "int8", "int4"])
 def test_three_members_quantized_mean_within_bound_and_identical(dhts, codec):
@@ -53,7 +31,7 @@ def test_three_members_quantized_mean_within_bound_and_identical(dhts, codec):
     vectors = [make_vector(i, numel) for i in range(3)]
     flats = [torch.cat([t.reshape(-1) for t in v]) for v in vectors]
     weights = [5.0, 1.0, 2.0]
-    _, results = run_group(dhts, flats, weights, codec)
+    _, results = run_group(dhts, flats, weights, codec=codec)
     exact = sum(f * w for f, w in zip(flats, weights)) / sum(weights)
     for r in results:
         assert not isinstance(r, BaseException), r
@@ -76,7 +54,7 @@ def test_nan_contribution_fails_the_part_and_names_the_sender(dhts, codec, caplo
     flats = [torch.randn(9000) for _ in range(3)]
     flats[1][100] = float("nan")  # a hostile member that skips the local finiteness check
     with caplog.at_level(logging.WARNING, logger="swarm.net.allreduce"):
-        members, results = run_group(dhts, flats, [1.0, 1.0, 1.0], codec)
+        members, results = run_group(dhts, flats, [1.0, 1.0, 1.0], codec=codec)
     assert isinstance(results[0], AllReduceFailed) and isinstance(results[2], AllReduceFailed), results
     assert isinstance(results[1], Exception)  # the hostile member cannot even decode its own share
     owner = next(j for j, (s, e) in enumerate(part_bounds(9000, 3)) if s <= 100 < e)
