@@ -25,8 +25,8 @@ class RoundOutcome:
     averaged: Optional[list[torch.Tensor]]  # weighted mean pseudo-gradient (fp32); None: round discarded
     group_size: int = 1
     total_samples: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
+    bytes_sent: int = 0  # payload on the wire until average() returned: a groupmate that fetches our
+    bytes_received: int = 0  # reduced part later (while we train on) is served but not counted
     comm_s: float = 0.0  # time in matchmaking and all-reduce
     behind: bool = False  # the swarm has moved past this round (or on other parameters): fetch the state
     donors: list[str] = field(default_factory=list)  # with `behind`: peer ids whose state to take

@@ -90,5 +90,8 @@ def test_swarm_averagers_int4_small_tensors_fp32_and_residual(bootstrap, peers):
         flat = v[1].reshape(-1)
         received = torch.cat([codec.round_trip(flat[s:e]) for s, e in part_bounds(flat.numel(), 3)])
         assert torch.equal(residual[1].reshape(-1), flat - received)
-        wire = 4 / 3 * (8000 * 4 + 16000 * (0.5 + 4 / 32))  # 2 of 3 parts out and 2 results served, each way
-        assert wire <= o["bytes_sent"] < wire + 4000 and wire <= o["bytes_received"] < wire + 4000
+        # 2 of 3 parts go out and 2 results are fetched back; our own result is served to the 2 groupmates
+        # as they ask for it, which may be after average() returned, so only its upper bound is exact
+        pushed = 2 / 3 * (8000 * 4 + 16000 * (0.5 + 4 / 32))
+        assert 2 * pushed <= o["bytes_received"] < 2 * pushed + 4000
+        assert pushed <= o["bytes_sent"] < 2 * pushed + 4000
