@@ -5,8 +5,9 @@ errors (measured with hivemind 1.1.12):
 - a malformed multiaddr, or an initial peer without `/p2p/<id>`: `UsageError` naming it, before any
   process starts;
 - unreachable initial peers: p2pd exits with "failed to connect to bootstrap peers" (0.3-5 s on
-  loopback); a peer that accepts TCP but never answers is bounded by `cfg.bootstrap_timeout`, after
-  which the child is killed. Both raise `SwarmError("initial peers unreachable: ...")`;
+  loopback); a peer that accepts TCP but never answers is bounded inside the child by
+  `cfg.bootstrap_timeout` (p2pd start-up). Both raise `SwarmError("initial peers unreachable: ...")`;
+- a child that reports nothing at all is killed after `_start_deadline`, well past its own bounds;
 - a host port already in use: `SwarmError` naming the port.
 Every failure path joins (or kills, then joins) the child so no process is left behind.
 """
@@ -25,6 +26,7 @@ import threading
 from typing import Optional
 
 import hivemind
+from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -33,6 +35,8 @@ from swarm.errors import SwarmError, UsageError
 from swarm.net import schema
 
 logger = logging.getLogger(__name__)
+
+START_GRACE = 10.0  # forking the child and importing in it; seconds on a loaded 2-core machine
 
 
 _fork_scope = threading.local()
@@ -84,17 +88,40 @@ def _explain(error: BaseException, cfg: SwarmConfig) -> SwarmError:
         return SwarmError(f"cannot listen on {where}: address already in use (swarm.host_maddrs)")
     if "bootstrap" in text or "responded to a ping" in text:
         return SwarmError(f"initial peers unreachable: {', '.join(cfg.initial_peers)} ({text.splitlines()[0]})")
+    if cfg.initial_peers and "failed to start in" in text:  # p2pd waits for its bootstrap peers before it is up
+        return SwarmError(f"initial peers unreachable: {', '.join(cfg.initial_peers)} (no answer within "
+                          f"{cfg.bootstrap_timeout:g} s, swarm.bootstrap_timeout)")
     return SwarmError(f"cannot start the DHT: {text.splitlines()[0] if text else type(error).__name__}")
 
 
 def _stop(dht: hivemind.DHT) -> None:
-    """Shut a DHT child down, or kill it when it is stuck in start-up and cannot read its pipe."""
-    if dht.is_alive():
-        dht.terminate()
+    """Shut a DHT child down, or kill it when it is stuck in start-up and cannot read its pipe.
+
+    A child killed while it reports to us holds hivemind's process-shared `MPFuture._update_lock` forever;
+    every later child (the next DHT, the averager) then blocks on its first report and its start times out.
+    Reset hivemind's future backend if you see that lock stuck after a kill.
+    """
+    if not dht.is_alive():
+        dht.join(5)
+        return
+    dht.terminate()
     dht.join(5)
     if dht.is_alive():
         dht.kill()
         dht.join(5)
+    if MPFuture._update_lock.acquire(timeout=2.0):
+        MPFuture._update_lock.release()
+    else:
+        logger.warning("the DHT child was killed while reporting to this process; "
+                       "resetting hivemind's MPFuture backend")
+        MPFuture.reset_backend()
+
+
+def _start_deadline(cfg: SwarmConfig) -> float:
+    """Our wait for the child: its own bounds (p2pd start-up, then the bootstrap pings, each
+    `bootstrap_timeout`) plus START_GRACE. The child reports its own failures well within this; killing it
+    at the same moment as it reports is what breaks hivemind's future backend (see `_stop`)."""
+    return 2 * cfg.bootstrap_timeout + START_GRACE
 
 
 def start_dht(cfg: SwarmConfig, *, fingerprint: Optional[str] = None) -> hivemind.DHT:
@@ -111,11 +138,14 @@ def start_dht(cfg: SwarmConfig, *, fingerprint: Optional[str] = None) -> hivemin
     )
     try:
         with children_die_with_us():
-            dht.run_in_background(await_ready=True, timeout=cfg.bootstrap_timeout)
+            dht.run_in_background(await_ready=True, timeout=_start_deadline(cfg))
     except concurrent.futures.TimeoutError:
         _stop(dht)
-        raise SwarmError(f"initial peers unreachable: no answer from {', '.join(initial)} "
-                         f"within {cfg.bootstrap_timeout:g} s (swarm.bootstrap_timeout)") from None
+        if not initial:
+            raise SwarmError(f"the DHT did not start within {_start_deadline(cfg):g} s "
+                             f"(2 x swarm.bootstrap_timeout + {START_GRACE:g} s)") from None
+        raise SwarmError(f"initial peers unreachable: no answer from {', '.join(initial)} within "
+                         f"{_start_deadline(cfg):g} s (2 x swarm.bootstrap_timeout + {START_GRACE:g} s)") from None
     except Exception as e:  # P2PDaemonError, RuntimeError from DHTNode.create: explained, child reaped
         _stop(dht)
         raise _explain(e, cfg) from e
