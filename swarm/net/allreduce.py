@@ -57,8 +57,16 @@ class AllReduceFailed(SwarmError):
 @dataclass
 class AllReduceResult:
     tensor: torch.Tensor  # the averaged flat vector, identical bytes on every member
-    bytes_sent: int
-    bytes_received: int
+    _group: _Group
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload sent so far: grows after `run` returns while groupmates still fetch our part's result."""
+        return self._group.bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        return self._group.bytes_received
 
 
 def part_bounds(numel: int, n: int) -> list[tuple[int, int]]:
@@ -156,7 +164,7 @@ class AllReduce:
         slot.set_result(group)
         try:
             tensor = await asyncio.wait_for(self._run(group, flat, weight), self.timeout)
-            return AllReduceResult(tensor, group.bytes_sent, group.bytes_received)
+            return AllReduceResult(tensor, group)
         except TimeoutError:
             missing = [str(m) for m, c in zip(group.members, group.contributions) if c is None]
             raise AllReduceFailed(f"timed out after {self.timeout:g} s (swarm.allreduce_timeout); "

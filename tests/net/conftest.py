@@ -139,6 +139,10 @@ class Peers:
     def log(self, job: dict) -> str:
         return (self.tmp / f"{job['name']}.log").read_text()[-4000:]
 
+    def logs(self) -> str:
+        """Every peer's log tail: the message of an assertion about the group."""
+        return "\n".join(f"== {job['name']}\n{self.log(job)}" for job in self.jobs)
+
     def kill(self, job: dict) -> None:
         """SIGKILL the peer's main process only (its children must notice and die with it)."""
         self.procs[self.jobs.index(job)].send_signal(signal.SIGKILL)

@@ -14,12 +14,12 @@ def expected_mean(jobs: list[dict]) -> list[torch.Tensor]:
     return [sum(v[i] * j["samples"] for v, j in zip(vectors, jobs)) / total for i in range(2)]
 
 
-def check_identical_mean(results: list[dict], jobs: list[dict], tol: float) -> None:
+def check_identical_mean(peers, results: list[dict], jobs: list[dict], tol: float) -> None:
     want = expected_mean(jobs)
     first = results[0]["outcome"]["averaged"]
     for result in results:
         outcome = result["outcome"]
-        assert outcome["averaged"] is not None, outcome["note"]
+        assert outcome["averaged"] is not None, outcome["note"] + "\n" + peers.logs()
         assert outcome["group_size"] == len(jobs)
         assert outcome["total_samples"] == sum(j["samples"] for j in jobs)
         for got, ref, exp in zip(outcome["averaged"], first, want):
@@ -34,7 +34,7 @@ def test_three_peers_fp32_identical_weighted_mean(bootstrap, peers):
             for i, s in enumerate([10, 20, 70])]
     peers.go()
     results = [peers.wait(job, 60) for job in jobs]
-    check_identical_mean(results, jobs, tol=1e-6)
+    check_identical_mean(peers, results, jobs, tol=1e-6)
     print("all-reduce of 1M fp32 among 3 peers, seconds:", [round(r["allreduce_s"][-1], 3) for r in results])
 
 
@@ -44,7 +44,7 @@ def test_three_peers_fp16_with_stock_hivemind_dht_bootstrap(stock_bootstrap, pee
             for i, s in enumerate([1, 2, 3])]
     peers.go()
     results = [peers.wait(job, 60) for job in jobs]
-    check_identical_mean(results, jobs, tol=2e-3)  # |x| < ~5: fp16 in and out, ~1e-3 absolute
+    check_identical_mean(peers, results, jobs, tol=2e-3)  # |x| < ~5: fp16 in and out, ~1e-3 absolute
 
 
 @pytest.mark.timeout(120)
@@ -69,7 +69,7 @@ def test_peer_killed_mid_allreduce_survivors_do_not_hang(bootstrap, peers):
     assert time.monotonic() - killed_at < 20.0 + 10.0  # bounded by round_timeout, never a hang
     done = [o for o in outcomes if o["averaged"] is not None]
     if len(done) == 2:  # the survivors retried together: identical, and exactly their mean
-        check_identical_mean(results, jobs, tol=1e-6)
+        check_identical_mean(peers, results, jobs, tol=1e-6)
     assert peers.group_gone(victim, timeout=10), "the killed peer left processes behind"
     for outcome in outcomes:
         print(outcome["note"], outcome["group_size"], round(outcome["comm_s"], 2))
@@ -84,7 +84,7 @@ def test_nan_sender_is_rejected_never_averaged(bootstrap, peers):
     peers.go()
     results = [peers.wait(job, 80) for job in jobs]
     assert peers.wait(hostile, 30)["outcome"]["averaged"] is None
-    check_identical_mean(results, jobs, tol=1e-6)  # exactly the honest mean: the NaN never got in
+    check_identical_mean(peers, results, jobs, tol=1e-6)  # exactly the honest mean: the NaN never got in
     assert "rejected the contribution of" in peers.log(jobs[0]) + peers.log(jobs[1])
 
 
@@ -95,7 +95,7 @@ def test_groupmates_on_other_global_parameters_never_average_together(bootstrap,
             for i, (s, b) in enumerate([(1, "A"), (3, "A"), (5, "B")])]
     peers.go()
     results = [peers.wait(job, 60) for job in jobs]
-    check_identical_mean(results[:2], jobs[:2], tol=1e-6)
+    check_identical_mean(peers, results[:2], jobs[:2], tol=1e-6)
     other = results[2]["outcome"]
     assert other["averaged"] is None and other["behind"]
     assert sorted(other["donors"]) == sorted(r["peer_id"] for r in results[:2])
@@ -108,4 +108,4 @@ def test_a_member_that_leaves_right_after_its_last_round_still_serves_its_part(b
             peers.start("slow", bootstrap, seed=2, samples=1, numel=50_000, mode="slow_fetch")]
     peers.go()
     results = [peers.wait(job, 60) for job in jobs]
-    check_identical_mean(results, jobs, tol=1e-6)
+    check_identical_mean(peers, results, jobs, tol=1e-6)

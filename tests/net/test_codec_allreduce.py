@@ -76,7 +76,7 @@ def test_swarm_averagers_int4_small_tensors_fp32_and_residual(bootstrap, peers):
     weights = [j["samples"] for j in jobs]
     exact = [sum(v[k] * w for v, w in zip(vectors, weights)) / sum(weights) for k in range(2)]
     for o in outcomes:
-        assert o["averaged"] is not None, o["note"]
+        assert o["averaged"] is not None, o["note"] + "\n" + peers.logs()
         for a, b in zip(o["averaged"], outcomes[0]["averaged"]):
             assert torch.equal(a, b)
     small, large = outcomes[0]["averaged"]
