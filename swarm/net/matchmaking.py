@@ -1,8 +1,13 @@
 """Group formation with hivemind's public `DecentralizedAverager`, used only to agree on a group.
 
-`averager.step(gather=meta)` on a 1-element dummy tensor returns `{peer_id: meta}` in the same order
-on every member (the leader's order). The dummy all-reduce of one float that follows is a cheap barrier:
-when `step` returns, every member has left matchmaking. The real all-reduce runs in allreduce.py.
+`averager.step(gather=meta)` on a 1-element tensor returns `{peer_id: meta}` in the same order on every
+member (the leader's order). The all-reduce of one float that follows is a cheap barrier, and a checked
+one: each member puts a random token in the tensor and in its meta, and the result must be the mean of
+the gathered tokens. hivemind reports an all-reduce that missed a member as a success ("Reducer:
+received 50.0% of input tensors"): a member whose groupmate had already left matchmaking (its step timed
+out as the leader closed the group) got such a phantom group, and then waited out a whole
+allreduce_timeout for parts that never came. Now it retries at once. The real all-reduce runs in
+allreduce.py.
 
 Round tagging: the averager's group key is `{run_id}_{fingerprint}.0b{round as 32 bits}`.
 - the prefix makes peers of another run, or of this run with other model/run settings, never meet;
@@ -25,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import random
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -87,8 +93,11 @@ class Matchmaker:
 
     def form_group(self, round: int, meta: dict[str, Any], timeout: float) -> Group:
         """Meet the peers of `round` (at most `timeout` s); raise NoGroup if none could be met."""
-        meta = dict(meta, round=round, nonce=os.urandom(8).hex())
+        token = float(random.randint(1, 2**16))
+        meta = dict(meta, round=round, nonce=os.urandom(8).hex(), token=token)
         self._averager.set_group_bits(round_bits(round))
+        with self._averager.get_tensors() as tensors:
+            tensors[0].fill_(token)
         start = time.monotonic()
         try:
             gathered = self._averager.step(gather=meta, timeout=timeout, allow_retries=False)
@@ -102,6 +111,12 @@ class Matchmaker:
             raise NoGroup(f"round {round}: only this peer in its group", alone=True)
         if any(not isinstance(m, dict) or m.get("round") != round for m in metas):
             raise NoGroup(f"round {round}: a groupmate sent metadata of another round", alone=False)
+        expected = sum(float(m.get("token", 0.0)) for m in metas) / len(metas)
+        with self._averager.get_tensors() as tensors:
+            got = float(tensors[0])
+        if abs(got - expected) > 1e-4 * expected:
+            raise NoGroup(f"round {round}: a phantom group of {len(members)}: not every member took part in the "
+                          f"matchmaking barrier", alone=False)
         return Group(group_id(members, metas), members, metas)
 
     def close(self) -> None:

@@ -1,0 +1,42 @@
+"""Matchmaking: peers of one round meet in one group, in one order, behind a checked barrier."""
+
+import concurrent.futures
+
+import pytest
+from conftest import fast_cfg, three_dhts
+
+from swarm.net.matchmaking import Matchmaker, NoGroup
+
+
+def form_groups(makers: list[Matchmaker], round: int) -> list:
+    """form_group on every matchmaker at once; the group or the exception of each."""
+    with concurrent.futures.ThreadPoolExecutor(len(makers)) as pool:
+        futures = [pool.submit(m.form_group, round, {"samples": i}, 8.0) for i, m in enumerate(makers)]
+        return [f.exception() or f.result() for f in futures]
+
+
+@pytest.mark.timeout(60)
+def test_one_group_one_order_and_a_tampered_barrier_is_a_phantom():
+    with three_dhts() as dhts:
+        makers = [Matchmaker(fast_cfg(), dht, "fp") for dht in dhts]
+        try:
+            groups = form_groups(makers, round=4)
+            assert all(not isinstance(g, BaseException) for g in groups), groups
+            assert len({g.group_id for g in groups}) == 1 and all(g.members == groups[0].members for g in groups)
+            assert sorted(m["samples"] for m in groups[0].metas) == [0, 1, 2]
+
+            # What a member sees when hivemind's all-reduce missed a groupmate: its own token, not the mean.
+            step = makers[0]._averager.step
+
+            def partial_step(*args, **kwargs):
+                gathered = step(*args, **kwargs)
+                with makers[0]._averager.get_tensors() as tensors:
+                    tensors[0].fill_(gathered[makers[0]._averager.peer_id]["token"])
+                return gathered
+            makers[0]._averager.step = partial_step
+            groups = form_groups(makers, round=5)
+            assert isinstance(groups[0], NoGroup) and "phantom" in groups[0].reason and not groups[0].alone
+            assert all(not isinstance(g, BaseException) for g in groups[1:]), groups
+        finally:
+            for m in makers:
+                m.close()
