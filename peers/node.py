@@ -89,6 +89,9 @@ def run_peer(cfg: Config, out_dir: Path, name: Optional[str]) -> Path:
             summary = peer_summary(trainer.history)
             summary["name"] = name
             write_json(out_dir / "peer.json", summary)
+        status.update(force=True, name=name, peer_id=peer_id, state="serving", round=trainer.diloco.round, step=0,
+                      loss=None)
+        averager.finish(trainer.diloco.round)
         status.update(force=True, name=name, peer_id=peer_id, state="done", round=trainer.diloco.round, step=0,
                       loss=None)
         return write_summary(out_dir, cfg.swarm.run_id, "peer", cfg.to_dict(), time.time() - start, [summary])

@@ -73,6 +73,9 @@ class Averager(ABC):
         """
         return None
 
+    def finish(self, round: int) -> None:
+        """After this peer's last round: stay for peers that fell behind and need its state (no-op here)."""
+
     def close(self) -> None:
         pass
 

@@ -131,6 +131,10 @@ class SwarmConfig:
     join a round's group too late; raise it if the DHT traffic of many peers is too much."""
     progress_expiration: float = 60.0
     """A progress record older than this marks its peer as gone: lower it if dead peers are waited on."""
+    linger_time: float = 60.0
+    """After its last round a peer keeps serving its state this long at most, while live peers are still at
+    earlier rounds: raise it if a peer that fell behind near the end logs "state from ... refused" and
+    ends on its own stale parameters."""
 
 
 @dataclass

@@ -1,10 +1,11 @@
 """summary.json and loss.png: what a run leaves behind for people and for other tools.
 
 summary.json holds `run`, `mode`, `config` (resolved), `wall_s`, `events`, and `peers`: per peer
-`peer_id`, `rounds_completed`, `round_hashes` (global-parameter sha256 after each committed round),
-`final_global_sha256`, `initial_eval_loss`, `train_loss` and `eval_loss` (per committed round),
-`compute_s`, `comm_s`, `bytes_sent`, `bytes_received` (all-reduce payload, totals) and `rounds` (every
-round record, discarded ones included, with its own byte counts).
+`peer_id`, `rounds_completed` and `final_global_sha256` (the round and hash it ended on, committed or
+downloaded from a peer), `round_hashes` (global-parameter sha256 after each committed round),
+`initial_eval_loss`, `train_loss` and `eval_loss` (per committed round), `compute_s`, `comm_s`,
+`bytes_sent`, `bytes_received` (all-reduce payload, totals) and `rounds` (every round record, discarded
+ones included, with its own byte counts).
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from swarm.trainer import PeerHistory
 
 def peer_summary(history: PeerHistory) -> dict[str, Any]:
     committed = [r for r in history.rounds if r.committed]
+    last = history.rounds[-1] if history.rounds else None  # a peer that caught up holds the donor's round
     return {
         "peer_id": history.peer_id,
-        "rounds_completed": committed[-1].round if committed else 0,
+        "rounds_completed": last.round if last else 0,
         "round_hashes": [r.global_sha256 for r in committed],
-        "final_global_sha256": committed[-1].global_sha256 if committed else None,
+        "final_global_sha256": last.global_sha256 if last else None,
         "initial_eval_loss": history.initial_eval_loss,
         "train_loss": [r.train_loss for r in committed],
         "eval_loss": [r.eval_loss for r in committed],

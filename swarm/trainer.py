@@ -163,6 +163,7 @@ class Trainer:
         log.info("caught up from round %d to round %d from a peer's state", before, self.diloco.round)
         self.history.events.append({"event": "state_downloaded", "time": time.time(), "from_round": before,
                                     "to_round": self.diloco.round})
+        self.averager.offer_state(self.diloco.round, self.state_dict())
         return True
 
     # ---- the loop ------------------------------------------------------------------------------------
@@ -188,11 +189,11 @@ class Trainer:
                 raise
             log.warning("%s; falling back to the state of peers", e)
             self.history.events.append({"event": "corrupt_checkpoint", "time": time.time(), "error": str(e)})
-        self.catch_up()
+        if not self.catch_up():
+            self.averager.offer_state(self.diloco.round, self.state_dict())
         if self.history.initial_eval_loss is None:
             self.history.initial_eval_loss = evaluate(self.model, self.eval_batches, self.device)
             log.info("round %d: eval loss %.4f (before training)", self.diloco.round, self.history.initial_eval_loss)
-        self.averager.offer_state(self.diloco.round, self.state_dict())
         tokens_per_step = self.cfg.data.batch_size * self.cfg.data.seq_len
 
         while self.diloco.round < cfg.rounds:

@@ -328,6 +328,28 @@ class SwarmAverager(Averager):
 
     # ---- shutdown -------------------------------------------------------------------------------------
 
+    def finish(self, round: int) -> None:
+        """Serve the final state while live peers are at earlier rounds, at most `cfg.linger_time` s.
+
+        A peer that fell behind in the last rounds (a failed all-reduce, a slow machine) learns it only
+        after its next matchmaking; if every peer ahead has left by then it finds no donor and ends on its
+        own stale parameters. Peers that finished announce it (a record at their final round), so in a
+        swarm where nobody is behind this returns at once.
+        """
+        self.publish_progress(round, 0, 0, 0.0)
+        deadline, waiting_for = time.monotonic() + self.cfg.linger_time, None
+        while time.monotonic() < deadline:
+            behind = sorted(r.name for r in self.peers() if r.round < round)
+            if not behind:
+                return
+            if behind != waiting_for:
+                logger.info(f"finished at round {round}; serving the state to peers still behind: {behind}")
+                waiting_for = behind
+            time.sleep(self.cfg.progress_interval)
+            self._refresh_progress()
+        logger.warning(f"stopped serving the state after {self.cfg.linger_time:g} s (swarm.linger_time); "
+                       f"still behind: {waiting_for}")
+
     async def _stop_handlers(self) -> None:
         if hasattr(self, "_allreduce"):
             await self._allreduce.stop()

@@ -67,3 +67,26 @@ def test_alone_and_behind(pair):
     assert outcome.note == "alone" and all(torch.equal(a, b) for a, b in zip(outcome.averaged, grad))
     bad = newcomer.average(9, [torch.tensor([float("nan")])], 10)
     assert bad.averaged is None and "not finite" in bad.note
+
+
+@pytest.mark.timeout(60)
+def test_a_finished_peer_serves_its_state_until_peers_behind_caught_up(pair):
+    import threading
+    import time
+
+    donor, newcomer = pair
+    donor.offer_state(12, {"round": 12, "w": torch.ones(4, 4)})
+    newcomer.publish_progress(10, 0, 0, 0.0)  # still training round 11
+    start = time.monotonic()
+    finisher = threading.Thread(target=donor.finish, args=(12,))
+    finisher.start()
+    time.sleep(3.0)  # the laggard learns it is behind only after its next matchmaking
+    assert finisher.is_alive(), "the finished peer left while a live peer was behind"
+    got = newcomer.fetch_state(10, fits)
+    assert got is not None and torch.equal(got["w"], torch.ones(4, 4))
+    newcomer.publish_progress(12, 0, 0, 0.0)  # caught up: nobody is behind any more
+    finisher.join(10)
+    assert not finisher.is_alive() and time.monotonic() - start < 3.0 + 5.0
+    start = time.monotonic()
+    donor.finish(12)  # nobody behind: leaves at once
+    assert time.monotonic() - start < 2.0
