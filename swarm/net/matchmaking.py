@@ -17,8 +17,14 @@ Round tagging: the averager's group key is `{run_id}_{fingerprint}.0b{round as 3
 Each member's meta carries a fresh random nonce, so the group id (a hash of the gathered metadata in
 group order) differs on every attempt, also when the same peers retry together.
 
+Group size: every step's target is the number of live peers at this round (their progress records, us
+included), capped by `target_group_size`: the leader starts as soon as they all joined. A peer not yet
+visible (a newcomer) may miss the group; it then finds the swarm ahead and downloads the state. A peer's
+first group waits the full matchmaking_time: peers started with it may not have published a record yet.
+
 Timeouts, all from SwarmConfig:
-- `min_matchmaking_time = matchmaking_time`: how long a leader waits for followers;
+- `min_matchmaking_time = matchmaking_time`: how long a leader waits for followers it expects but
+  that do not come (a peer that died with its record still fresh);
 - `request_timeout`: a follower's wait for a leader's answer (below matchmaking_time, or leaders deadlock);
 - `allreduce_timeout` / `next_chunk_timeout`: bound hivemind's dummy all-reduce; hivemind's defaults are
   None, with which a peer killed mid-round left survivors hanging for minutes;
@@ -33,12 +39,13 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.p2p import PeerID
+from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.serializer import MSGPackSerializer
 
 from swarm.config import SwarmConfig
@@ -78,11 +85,27 @@ def group_id(members: list[PeerID], metas: list[dict]) -> bytes:
     return h.digest()[:16]
 
 
+class _GroupAverager(DecentralizedAverager):
+    """hivemind's averager with a per-step group size: a leader starts as soon as this many peers joined."""
+
+    def set_target_group_size(self, size: int) -> None:
+        future = MPFuture()
+        self._outer_pipe.send(("_set_target_group_size", [], dict(size=size, future=future)))
+        future.result()
+
+    async def _set_target_group_size(self, size: int, future: MPFuture) -> None:
+        try:  # runs in the averager's process, like hivemind's own `_set_group_bits`
+            self._matchmaking.target_group_size = size
+            future.set_result(None)
+        except Exception as e:
+            future.set_exception(e)
+
+
 class Matchmaker:
     def __init__(self, cfg: SwarmConfig, dht: hivemind.DHT, fingerprint: str):
         self.cfg = cfg
         with children_die_with_us():
-            self._averager = DecentralizedAverager(
+            self._averager = _GroupAverager(
                 [torch.zeros(1)], dht, start=True,
                 prefix=schema.matchmaking_prefix(cfg.run_id, fingerprint),
                 target_group_size=cfg.target_group_size, min_group_size=cfg.min_group_size,
@@ -91,11 +114,17 @@ class Matchmaker:
                 allow_state_sharing=False, client_mode=cfg.client_mode, shutdown_timeout=cfg.request_timeout,
             )
 
-    def form_group(self, round: int, meta: dict[str, Any], timeout: float) -> Group:
-        """Meet the peers of `round` (at most `timeout` s); raise NoGroup if none could be met."""
+    def form_group(self, round: int, meta: dict[str, Any], timeout: float, expected: Optional[int] = None) -> Group:
+        """Meet the peers of `round` (at most `timeout` s); raise NoGroup if none could be met.
+
+        `expected`: how many peers (us included) are live at this round; a group closes as soon as that many
+        met (capped by `target_group_size`) instead of after `matchmaking_time`.
+        """
         token = float(random.randint(1, 2**16))
         meta = dict(meta, round=round, nonce=os.urandom(8).hex(), token=token)
         self._averager.set_group_bits(round_bits(round))
+        size = self.cfg.target_group_size if expected is None else max(2, min(expected, self.cfg.target_group_size))
+        self._averager.set_target_group_size(size)
         with self._averager.get_tensors() as tensors:
             tensors[0].fill_(token)
         start = time.monotonic()

@@ -9,7 +9,9 @@ handlers (allreduce.py) and a state server. The trainer's thread calls in with b
   A peer that meets nobody looks at the progress records: peers at a higher round -> `behind=True`
   (fetch the state); peers at this round -> keep looking; nobody -> it applies its own step ("alone").
 - `publish_progress()`: a `ProgressRecord` under `{run_id}_progress`, expiring after
-  `cfg.progress_expiration` so a dead peer stops being waited for.
+  `cfg.progress_expiration` so a dead peer stops being waited for. A heartbeat thread re-stores it every
+  `cfg.progress_interval`, so a record that stopped changing is a dead peer's long before it expires.
+- `finish()`: after the last round, serve the state while live peers are behind (`cfg.linger_time`).
 - `offer_state()` serializes once (torch.save + sha256) and keeps the bytes in memory, so serving a
   newcomer never blocks a round; `fetch_state()` tries donors freshest first, each bounded by
   `cfg.state_timeout`, and refuses a state whose checksum, round or `validate()` fails.
@@ -74,11 +76,16 @@ class SwarmAverager(Averager):
         self._state_handler = schema.handler_name(cfg.run_id, fingerprint, "state")
         self._offered: Optional[tuple[int, bytes, str]] = None  # (round, torch.save bytes, sha256 hex)
         self._last_progress: Optional[tuple] = None  # publish_progress arguments, re-sent while averaging
+        self._averaged_once = False  # until a first group, peers starting with us may not have a record yet
+        self._dht_lock = threading.Lock()  # the trainer's thread and the heartbeat share the DHT's pipe
+        self._stopping = threading.Event()
         # The averager forks a process: create it before our thread exists.
         self._matchmaker = Matchmaker(cfg, dht, fingerprint)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="swarm-net", daemon=True)
         self._thread.start()
+        self._beat = threading.Thread(target=self._heartbeat, name="swarm-heartbeat", daemon=True)
+        self._beat.start()
         try:
             self._p2p = self._call(dht.replicate_p2p(), cfg.bootstrap_timeout)
             self._allreduce = AllReduce(self._p2p, schema.handler_name(cfg.run_id, fingerprint, "ar"), codec,
@@ -127,11 +134,10 @@ class SwarmAverager(Averager):
             self.publish_progress(round, 0, samples, 0.0, ready=True)
         # hivemind refuses a step whose timeout is shorter than its matchmaking time: stop before that.
         while (left := deadline - time.monotonic()) > self.cfg.matchmaking_time:
-            self._refresh_progress()  # a peer waiting for groupmates must not look gone to them
             try:
                 group = self._matchmaker.form_group(
                     round, {"samples": int(samples), "numel": flat.numel(), "base": base},
-                    timeout=min(left, 2 * self.cfg.matchmaking_time))
+                    timeout=min(left, 2 * self.cfg.matchmaking_time), expected=self._expected_group(round))
                 group = self._on_majority_base(group, base)
             except OtherBase as e:
                 return RoundOutcome(None, comm_s=time.monotonic() - start, behind=True, donors=e.donors,
@@ -167,6 +173,7 @@ class SwarmAverager(Averager):
             if self.cfg.error_feedback:  # what the owners of our parts received of them, minus what we meant
                 lost = part_residual(self._codec, flat_q, part_bounds(flat_q.numel(), len(group.members)))
                 residual = join_from_wire(lost, torch.zeros_like(flat_32), shapes, mask)
+            self._averaged_once = True
             return RoundOutcome(averaged, group_size=len(group.members), residual=residual,
                                 total_samples=sum(int(m.get("samples", 0)) for m in group.metas),
                                 bytes_sent=sent, bytes_received=received, comm_s=time.monotonic() - start,
@@ -216,29 +223,43 @@ class SwarmAverager(Averager):
 
     # ---- progress -------------------------------------------------------------------------------------
 
-    def _refresh_progress(self) -> None:
-        if self._last_progress is not None:
-            self.publish_progress(*self._last_progress)
-
     def publish_progress(self, round: int, inner_step: int, samples: int, samples_per_s: float,
                          ready: bool = False) -> None:
         self._last_progress = (round, inner_step, samples, samples_per_s, ready)
+        self._store_progress(warn=True)
+
+    def _store_progress(self, warn: bool) -> None:
+        round, inner_step, samples, samples_per_s, ready = self._last_progress
         now = get_dht_time()
         record = schema.ProgressRecord(
             peer_id=self.peer_id, name=self.peer_name, round=round, inner_step=inner_step, samples=samples,
             samples_per_s=float(samples_per_s), time=float(now), serves_state=self._offered is not None,
             ready=ready)
-        future = self.dht.store(schema.progress_key(self.cfg.run_id), record.dict(), subkey=self.peer_id,
-                                expiration_time=now + self.cfg.progress_expiration, return_future=True)
+        with self._dht_lock:
+            future = self.dht.store(schema.progress_key(self.cfg.run_id), record.dict(), subkey=self.peer_id,
+                                    expiration_time=now + self.cfg.progress_expiration, return_future=True)
         try:
-            if not future.result(timeout=self.cfg.request_timeout):
+            if not future.result(timeout=self.cfg.request_timeout) and warn:
                 logger.warning("progress record was not stored (no DHT peer accepted it)")
         except concurrent.futures.TimeoutError:
-            logger.warning(f"progress record not confirmed within {self.cfg.request_timeout:g} s")
+            if warn:
+                logger.warning(f"progress record not confirmed within {self.cfg.request_timeout:g} s")
+
+    def _heartbeat(self) -> None:
+        """Re-store our record every progress_interval whatever the trainer does (eval, a checkpoint, a long
+        all-reduce): a live peer's record stays fresh, so one older than `_stale_after()` is a dead peer's."""
+        while not self._stopping.wait(self.cfg.progress_interval):
+            if self._last_progress is not None:
+                self._store_progress(warn=False)
+
+    def _stale_after(self) -> float:
+        return 3 * self.cfg.progress_interval + 2 * self.cfg.request_timeout
 
     def peers(self, include_self: bool = False) -> list[schema.ProgressRecord]:
         """Live progress records of the other peers of this run (and ours, with `include_self`)."""
-        found = self.dht.get(schema.progress_key(self.cfg.run_id), latest=True)
+        with self._dht_lock:
+            future = self.dht.get(schema.progress_key(self.cfg.run_id), latest=True, return_future=True)
+        found = future.result()
         if found is None or not isinstance(found.value, dict):
             return []
         now, records = get_dht_time(), []
@@ -263,6 +284,16 @@ class SwarmAverager(Averager):
             return [], ["(progress records unreadable)"]
         others = [r for r in records if r.peer_id != self.peer_id]
         return [r.round for r in others if r.round > round], [r.name for r in others if r.round == round]
+
+    def _expected_group(self, round: int) -> Optional[int]:
+        """Live peers at `round`, us included. None (wait the full matchmaking_time) before this peer's first
+        group, when peers started with it may still be loading (no record yet), and on an unreadable read."""
+        if not self._averaged_once:
+            return None
+        records = self.peers(include_self=True)
+        if not any(r.peer_id == self.peer_id for r in records):
+            return None
+        return sum(1 for r in records if r.round == round)
 
     # ---- state ----------------------------------------------------------------------------------------
 
@@ -339,14 +370,14 @@ class SwarmAverager(Averager):
         self.publish_progress(round, 0, 0, 0.0)
         deadline, waiting_for = time.monotonic() + self.cfg.linger_time, None
         while time.monotonic() < deadline:
-            behind = sorted(r.name for r in self.peers() if r.round < round)
+            fresh = get_dht_time() - self._stale_after()  # a dead peer's record lingers until it expires
+            behind = sorted(r.name for r in self.peers() if r.round < round and r.time > fresh)
             if not behind:
                 return
             if behind != waiting_for:
                 logger.info(f"finished at round {round}; serving the state to peers still behind: {behind}")
                 waiting_for = behind
             time.sleep(self.cfg.progress_interval)
-            self._refresh_progress()
         logger.warning(f"stopped serving the state after {self.cfg.linger_time:g} s (swarm.linger_time); "
                        f"still behind: {waiting_for}")
 
@@ -365,6 +396,8 @@ class SwarmAverager(Averager):
                 logger.warning(f"leaving with {len(pending)} all-reduce(s) not fetched by every groupmate")
 
     def close(self) -> None:
+        self._stopping.set()
+        self._beat.join(self.cfg.request_timeout + self.cfg.progress_interval)
         if self._thread.is_alive():
             try:  # serve our last parts to groupmates still fetching them, then stop
                 self._call(self._drain(), 2 * self.cfg.allreduce_timeout + self.cfg.request_timeout)

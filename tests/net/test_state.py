@@ -90,3 +90,17 @@ def test_a_finished_peer_serves_its_state_until_peers_behind_caught_up(pair):
     start = time.monotonic()
     donor.finish(12)  # nobody behind: leaves at once
     assert time.monotonic() - start < 2.0
+
+    # A peer killed at round 3: its record has not expired, but it stopped changing (no heartbeat).
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from swarm.net import schema
+    now, ghost = get_dht_time(), "12D3KooWGhostGhostGhostGhostGhostGhostGhostGhost1234"
+    record = schema.ProgressRecord(peer_id=ghost, name="ghost", round=3, inner_step=0, samples=0, samples_per_s=0.0,
+                                   time=now - 60, serves_state=True, ready=False)
+    assert newcomer.dht.store(schema.progress_key("swarm-tiny"), record.dict(), subkey=ghost,
+                              expiration_time=now + 30)
+    assert "ghost" in [r.name for r in donor.peers()]
+    start = time.monotonic()
+    donor.finish(12)
+    assert time.monotonic() - start < 2.0
