@@ -1,6 +1,7 @@
 """Matchmaking: peers of one round meet in one group, in one order, behind a checked barrier."""
 
 import concurrent.futures
+import time
 
 import pytest
 from conftest import fast_cfg, three_dhts
@@ -8,10 +9,10 @@ from conftest import fast_cfg, three_dhts
 from swarm.net.matchmaking import Matchmaker, NoGroup
 
 
-def form_groups(makers: list[Matchmaker], round: int) -> list:
+def form_groups(makers: list[Matchmaker], round: int, expected=None) -> list:
     """form_group on every matchmaker at once; the group or the exception of each."""
     with concurrent.futures.ThreadPoolExecutor(len(makers)) as pool:
-        futures = [pool.submit(m.form_group, round, {"samples": i}, 8.0) for i, m in enumerate(makers)]
+        futures = [pool.submit(m.form_group, round, {"samples": i}, 8.0, expected) for i, m in enumerate(makers)]
         return [f.exception() or f.result() for f in futures]
 
 
@@ -37,6 +38,23 @@ def test_one_group_one_order_and_a_tampered_barrier_is_a_phantom():
             groups = form_groups(makers, round=5)
             assert isinstance(groups[0], NoGroup) and "phantom" in groups[0].reason and not groups[0].alone
             assert all(not isinstance(g, BaseException) for g in groups[1:]), groups
+        finally:
+            for m in makers:
+                m.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_group_closes_once_every_expected_peer_joined():
+    """target_group_size 8 with 3 peers: a leader waits matchmaking_time (2 s) unless told 3 are expected."""
+    with three_dhts() as dhts:
+        makers = [Matchmaker(fast_cfg(target_group_size=8), dht, "fp") for dht in dhts]
+        try:
+            for round, expected in ((1, None), (2, 3)):
+                start = time.monotonic()
+                groups = form_groups(makers, round, expected)
+                took = time.monotonic() - start
+                assert all(not isinstance(g, BaseException) and len(g.members) == 3 for g in groups), groups
+                assert took >= 2.0 if expected is None else took < 1.5, (expected, took)
         finally:
             for m in makers:
                 m.close()
