@@ -229,13 +229,13 @@ class SwarmAverager(Averager):
         self._store_progress(warn=True)
 
     def _store_progress(self, warn: bool) -> None:
-        round, inner_step, samples, samples_per_s, ready = self._last_progress
-        now = get_dht_time()
-        record = schema.ProgressRecord(
-            peer_id=self.peer_id, name=self.peer_name, round=round, inner_step=inner_step, samples=samples,
-            samples_per_s=float(samples_per_s), time=float(now), serves_state=self._offered is not None,
-            ready=ready)
-        with self._dht_lock:
+        with self._dht_lock:  # read, stamp and send in one go: a later store always carries later content
+            round, inner_step, samples, samples_per_s, ready = self._last_progress
+            now = get_dht_time()
+            record = schema.ProgressRecord(
+                peer_id=self.peer_id, name=self.peer_name, round=round, inner_step=inner_step, samples=samples,
+                samples_per_s=float(samples_per_s), time=float(now), serves_state=self._offered is not None,
+                ready=ready)
             future = self.dht.store(schema.progress_key(self.cfg.run_id), record.dict(), subkey=self.peer_id,
                                     expiration_time=now + self.cfg.progress_expiration, return_future=True)
         try:
@@ -286,14 +286,16 @@ class SwarmAverager(Averager):
         return [r.round for r in others if r.round > round], [r.name for r in others if r.round == round]
 
     def _expected_group(self, round: int) -> Optional[int]:
-        """Live peers at `round`, us included. None (wait the full matchmaking_time) before this peer's first
-        group, when peers started with it may still be loading (no record yet), and on an unreadable read."""
+        """Live peers that may average `round`, us included: those at it, and those whose record still shows
+        the round before (not reported since they committed it, or still averaging it). None (wait the full
+        matchmaking_time) before this peer's first group, when peers started with it may have no record yet,
+        and on an unreadable read."""
         if not self._averaged_once:
             return None
         records = self.peers(include_self=True)
         if not any(r.peer_id == self.peer_id for r in records):
             return None
-        return sum(1 for r in records if r.round == round)
+        return sum(1 for r in records if r.round in (round - 1, round))
 
     # ---- state ----------------------------------------------------------------------------------------
 
@@ -377,7 +379,7 @@ class SwarmAverager(Averager):
             if behind != waiting_for:
                 logger.info(f"finished at round {round}; serving the state to peers still behind: {behind}")
                 waiting_for = behind
-            time.sleep(self.cfg.progress_interval)
+            time.sleep(max(0.0, min(self.cfg.progress_interval, deadline - time.monotonic())))
         logger.warning(f"stopped serving the state after {self.cfg.linger_time:g} s (swarm.linger_time); "
                        f"still behind: {waiting_for}")
 

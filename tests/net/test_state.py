@@ -104,3 +104,16 @@ def test_a_finished_peer_serves_its_state_until_peers_behind_caught_up(pair):
     start = time.monotonic()
     donor.finish(12)
     assert time.monotonic() - start < 2.0
+
+
+@pytest.mark.timeout(30)
+def test_expected_group_counts_peers_not_yet_reported_at_the_round(pair):
+    """A peer whose record still shows the round before may be about to average this one: a group that
+    closed without it would split the round (seen with records published only when ready)."""
+    donor, newcomer = pair
+    newcomer.publish_progress(5, 0, 0, 0.0)
+    assert newcomer._expected_group(5) is None  # before its first group: wait the full matchmaking_time
+    newcomer._averaged_once = True
+    for donor_round, expected in ((5, 2), (4, 2), (3, 1)):
+        donor.publish_progress(donor_round, 0, 0, 0.0)
+        assert newcomer._expected_group(5) == expected, donor_round
