@@ -379,7 +379,7 @@ class SwarmAverager(Averager):
             if behind != waiting_for:
                 logger.info(f"finished at round {round}; serving the state to peers still behind: {behind}")
                 waiting_for = behind
-            time.sleep(max(0.0, min(self.cfg.progress_interval, deadline - time.monotonic())))
+            time.sleep(max(0.0, min(self.cfg.progress_interval, 1.0, deadline - time.monotonic())))  # poll
         logger.warning(f"stopped serving the state after {self.cfg.linger_time:g} s (swarm.linger_time); "
                        f"still behind: {waiting_for}")
 
