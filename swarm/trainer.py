@@ -211,6 +211,7 @@ class Trainer:
                     if i + 1 < cfg.inner_steps and self.averager.others_ready(self.diloco.round):
                         log.info("round %d: peers wait to average; contributing %d of %d inner steps",
                                  self.diloco.round + 1, i + 1, cfg.inner_steps)
+                        self._inject_faults(i + 1, stopping_early=True)
                         break
             compute_s = time.perf_counter() - start
             self._publish_progress(start, len(losses), ready=True)
@@ -233,13 +234,14 @@ class Trainer:
         samples_per_s = steps * self.cfg.data.batch_size / max(1e-9, time.perf_counter() - start)
         self.averager.publish_progress(self.diloco.round, self.step, self.samples_since_commit, samples_per_s, ready)
 
-    def _inject_faults(self, inner_step: int) -> None:
-        """`faults` config: sleep like a slow peer, or SIGKILL this process halfway through a round."""
+    def _inject_faults(self, inner_step: int, stopping_early: bool = False) -> None:
+        """`faults` config: sleep like a slow peer, or SIGKILL this process halfway through a round (or where
+        it cuts that round short, if that comes first)."""
         faults = self.cfg.faults
-        if faults.step_delay > 0:
+        if faults.step_delay > 0 and not stopping_early:
             time.sleep(faults.step_delay)
         if (faults.kill_phase == "inner" and faults.kill_round == self.diloco.round + 1
-                and inner_step == self.cfg.diloco.inner_steps // 2):
+                and (inner_step == self.cfg.diloco.inner_steps // 2 or stopping_early)):
             log.warning("fault injection: killing this peer (SIGKILL) in round %d", self.diloco.round + 1)
             os.kill(os.getpid(), signal.SIGKILL)
 
