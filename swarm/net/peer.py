@@ -75,7 +75,7 @@ class SwarmAverager(Averager):
         self._codec = codec = get_codec(cfg.compression)
         self._state_handler = schema.handler_name(cfg.run_id, fingerprint, "state")
         self._offered: Optional[tuple[int, bytes, str]] = None  # (round, torch.save bytes, sha256 hex)
-        self._last_progress: Optional[tuple] = None  # publish_progress arguments, re-sent while averaging
+        self._last_progress: Optional[tuple] = None  # publish_progress arguments, re-sent by the heartbeat
         self._averaged_once = False  # until a first group, peers starting with us may not have a record yet
         self._dht_lock = threading.Lock()  # the trainer's thread and the heartbeat share the DHT's pipe
         self._stopping = threading.Event()
