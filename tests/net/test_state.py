@@ -89,7 +89,7 @@ def test_a_finished_peer_serves_its_state_until_peers_behind_caught_up(pair):
     assert not finisher.is_alive() and time.monotonic() - start < 3.0 + 5.0
     start = time.monotonic()
     donor.finish(12)  # nobody behind: leaves at once
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 4.0  # far below linger_time (60 s)
 
     # A peer killed at round 3: its record has not expired, but it stopped changing (no heartbeat).
     from hivemind.utils.timed_storage import get_dht_time
@@ -103,7 +103,7 @@ def test_a_finished_peer_serves_its_state_until_peers_behind_caught_up(pair):
     assert "ghost" in [r.name for r in donor.peers()]
     start = time.monotonic()
     donor.finish(12)
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 4.0  # far below linger_time (60 s)
 
 
 @pytest.mark.timeout(30)
