@@ -17,10 +17,11 @@ Round tagging: the averager's group key is `{run_id}_{fingerprint}.0b{round as 3
 Each member's meta carries a fresh random nonce, so the group id (a hash of the gathered metadata in
 group order) differs on every attempt, also when the same peers retry together.
 
-Group size: every step's target is the number of live peers at this round (their progress records, us
-included), capped by `target_group_size`: the leader starts as soon as they all joined. A peer not yet
-visible (a newcomer) may miss the group; it then finds the swarm ahead and downloads the state. A peer's
-first group waits the full matchmaking_time: peers started with it may not have published a record yet.
+Group size: every step's target is the number of live peers at this round or still showing the one
+before (their progress records, us included), capped by `target_group_size`: the leader starts as soon
+as they all joined. A peer not yet visible (a newcomer) may miss the group; it then finds the swarm ahead
+and downloads the state. A peer's first group waits the full matchmaking_time: peers started with it may
+not have published a record yet.
 
 Timeouts, all from SwarmConfig:
 - `min_matchmaking_time = matchmaking_time`: how long a leader waits for followers it expects but

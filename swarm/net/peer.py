@@ -279,8 +279,8 @@ class SwarmAverager(Averager):
         A read that misses our own fresh record failed (a DHT time-out looks like an empty swarm): then
         everyone counts as possibly here, so a peer never commits "alone" on a read it cannot trust.
         """
-        records = self.peers(include_self=True)
-        if not any(r.peer_id == self.peer_id for r in records):
+        records = self._trusted_records()
+        if records is None:
             return [], ["(progress records unreadable)"]
         others = [r for r in records if r.peer_id != self.peer_id]
         return [r.round for r in others if r.round > round], [r.name for r in others if r.round == round]
@@ -290,12 +290,13 @@ class SwarmAverager(Averager):
         the round before (not reported since they committed it, or still averaging it). None (wait the full
         matchmaking_time) before this peer's first group, when peers started with it may have no record yet,
         and on an unreadable read."""
-        if not self._averaged_once:
-            return None
+        records = self._trusted_records() if self._averaged_once else None
+        return None if records is None else sum(1 for r in records if r.round in (round - 1, round))
+
+    def _trusted_records(self) -> Optional[list[schema.ProgressRecord]]:
+        """All live records, ours included; None when the read misses our own fresh record (it failed)."""
         records = self.peers(include_self=True)
-        if not any(r.peer_id == self.peer_id for r in records):
-            return None
-        return sum(1 for r in records if r.round in (round - 1, round))
+        return records if any(r.peer_id == self.peer_id for r in records) else None
 
     # ---- state ----------------------------------------------------------------------------------------
 
