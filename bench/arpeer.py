@@ -34,17 +34,18 @@ def vector(job: dict, numel: int) -> torch.Tensor:
 
 def run_swarm(job: dict) -> list[dict]:
     from swarm.config import SwarmConfig
+    from swarm.diloco import PseudoGradient
     from swarm.net.dht import start_dht
     from swarm.net.peer import SwarmAverager
 
     n = job["peers"]
     cfg = SwarmConfig(initial_peers=job["initial_peers"], run_id=job["run_id"], compression=job["compression"],
                       target_group_size=n, min_group_size=n, matchmaking_time=30.0, request_timeout=3.0,
-                      allreduce_timeout=job["timeout"], round_timeout=job["timeout"] + 15, bootstrap_timeout=60.0)
+                      stall_timeout=job["timeout"], bootstrap_timeout=60.0)
     fingerprint = f"bench-{job['compression']}"
     dht = start_dht(cfg, fingerprint=fingerprint)
     averager = SwarmAverager(cfg, dht, fingerprint, job["name"])
-    timings, run = [], averager._run_allreduce
+    timings, run = [], averager._allreduce.run
 
     async def timed(*args):
         start = time.perf_counter()
@@ -53,14 +54,14 @@ def run_swarm(job: dict) -> list[dict]:
         finally:
             timings.append(time.perf_counter() - start)
 
-    averager._run_allreduce = timed
+    averager._allreduce.run = timed
     out = []
     try:
         for k, numel in enumerate(job["sizes"]):
-            grad = [vector(job, numel)]
+            grad = PseudoGradient([vector(job, numel)], [torch.zeros(numel)])
             barrier(job, k)
             start = time.perf_counter()
-            outcome = averager.average(k, grad, 1)
+            outcome = averager.average(k, grad, 1, [torch.empty(numel)])
             wall = time.perf_counter() - start
             out.append({"numel": numel, "call_s": wall, "allreduce_s": timings[-1] if timings else None,
                         "ok": outcome.averaged is not None and outcome.group_size == n,

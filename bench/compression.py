@@ -49,10 +49,10 @@ def real_pseudo_gradient(steps: int) -> list[torch.Tensor]:
 
 
 def ours(name: str, shapes) -> tuple[Callable, Callable]:
-    from swarm.net.codec import get_codec, quantized_mask
+    from swarm.net.codec import FP32_BELOW, get_codec
 
     codec = get_codec(name)
-    mask = quantized_mask(shapes, codec)
+    mask = [not codec.lossy or shape.numel() >= FP32_BELOW for shape in shapes]
 
     def wire(flat: torch.Tensor) -> tuple[list, int]:
         out, offset, size = [], 0, 0
@@ -61,7 +61,7 @@ def ours(name: str, shapes) -> tuple[Callable, Callable]:
             part = flat[offset: offset + n]
             msg = (codec if quantized else get_codec("none")).encode(part)
             out.append((quantized, msg, n))
-            size += len(msg.buffer)
+            size += len(msg)
             offset += n
         return out, size
 

@@ -41,10 +41,11 @@ def diloco_sim(steps: int, h: int, olr: float, tmp: Path) -> tuple[list[tuple[in
 
 def diloco_swarm(steps: int, h: int, olr: float, tmp: Path) -> dict:
     """The same point as a real `swarm local` run: M processes over loopback. As in the sim, every peer runs all
-    H inner steps: the straggler early stop is off (swarm.progress_interval huge) and a leader waits up to 60 s
-    for the whole group (on 2 shared cores a peer can fall more than the default 5 s behind)."""
+    H inner steps: the straggler early stop is off (swarm.progress_interval huge, so records must outlive it too)
+    and a leader waits up to 60 s for the whole group (on 2 shared cores a peer can fall more than the default
+    5 s behind)."""
     cfg = tiny_config(steps, h, olr, swarm={"run_id": f"bench-conv-{int(time.time())}", "progress_interval": 1e6,
-                                            "matchmaking_time": 60.0, "round_timeout": 600.0})
+                                            "progress_expiration": 1e7, "matchmaking_time": 60.0})
     out = tmp / f"swarm-h{h}-olr{olr}"
     path = write_config(cfg, tmp / "swarm.yaml")
     start = time.perf_counter()

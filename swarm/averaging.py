@@ -5,8 +5,9 @@ network-free implementations.
 - `SimAverager`: M replicas in one process (one thread each), averaged in memory behind a barrier.
   Used by tests and convergence benchmarks; the network implementation lives in `swarm.net.peer`.
 
-Every implementation returns the same `RoundOutcome`: either the weighted mean pseudo-gradient,
-identical on every member of the group, or `averaged=None` with the reason the round was discarded.
+Every implementation returns the same `RoundOutcome`: either the weighted mean pseudo-gradient, written
+into the `out` buffers it was given and identical on every member of the group, or `averaged=None` with
+the reason the round was discarded.
 """
 
 from __future__ import annotations
@@ -15,26 +16,52 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
+
+from swarm.diloco import PseudoGradient
+from swarm.errors import SwarmError
+from swarm.state import TensorSpec
 
 
 @dataclass
 class RoundOutcome:
-    averaged: Optional[list[torch.Tensor]]  # weighted mean pseudo-gradient (fp32); None: round discarded
+    averaged: Optional[Sequence[torch.Tensor]]  # weighted mean pseudo-gradient (fp32); None: round discarded
     group_size: int = 1
     total_samples: int = 0
     bytes_sent: int = 0  # payload on the wire until average() returned: a groupmate that fetches our
-    bytes_received: int = 0  # reduced part later (while we train on) is served but not counted
+    bytes_received: int = 0  # part later (while we train on) is served but not counted
     comm_s: float = 0.0  # time in matchmaking and all-reduce
-    behind: bool = False  # the swarm has moved past this round (or on other parameters): fetch the state
+    behind: bool = False  # the swarm has moved past this round (or holds other parameters): take its state
     donors: list[str] = field(default_factory=list)  # with `behind`: peer ids whose state to take
     note: str = ""  # why the round was discarded, or who averaged
     # swarm.error_feedback with a lossy codec: what this peer's contribution lost to quantization on the
-    # wire (its pseudo-gradient minus what the reducers decoded), shaped like it; the trainer adds it to
-    # the next round's pseudo-gradient. None: nothing was lost (or error feedback is off).
+    # wire, shaped like it; the trainer adds it to the next round's pseudo-gradient. None: nothing was lost.
     residual: Optional[list[torch.Tensor]] = None
+
+
+@dataclass
+class Snapshot:
+    """What a donor serves for its committed `round`: live tensors, read under the `DiLoCo.version` seqlock
+    (a read that sees the version move is abandoned: the donor committed again or is loading a state)."""
+
+    round: int
+    sha256: str  # of the global parameters, as committed
+    meta: dict[str, Any]  # JSON-able scalars: schedule position, learning rates
+    tensors: dict[str, torch.Tensor]  # state.shared_tensors(), in order
+    version: int  # DiLoCo.version when taken
+    current_version: Callable[[], int]
+
+
+@dataclass
+class Intake:
+    """How a trainer takes a downloaded state in: `destinations(specs)` gives the tensors to write each named
+    tensor into (ValueError if the state does not fit), `accept(meta)` applies the scalars once every byte
+    arrived and the global-parameter hash matched."""
+
+    destinations: Callable[[list[TensorSpec]], dict[str, torch.Tensor]]
+    accept: Callable[[dict[str, Any]], None]
 
 
 class Averager(ABC):
@@ -43,15 +70,16 @@ class Averager(ABC):
     networked = False  # True where `fetch_state` can replace a lost or corrupt checkpoint
 
     @abstractmethod
-    def average(self, round: int, pseudo_grad: list[torch.Tensor], samples: int, base: str = "") -> RoundOutcome:
-        """Average `pseudo_grad` (weighted by `samples`) with the peers of `round`.
+    def average(self, round: int, pseudo_grad: PseudoGradient, samples: int, out: Sequence[torch.Tensor],
+                base: str = "") -> RoundOutcome:
+        """Average `pseudo_grad` (weighted by `samples`) with the peers of `round`, into `out`.
 
         `base` is the hash of the global parameters the pseudo-gradient was taken from: only peers on the
         same base may average together (a step applied to different bases would never reconcile them).
         """
 
     def publish_progress(self, round: int, inner_step: int, samples: int, samples_per_s: float,
-                         ready: bool = False) -> None:
+                         ready: bool = False, sha256: str = "") -> None:
         """Tell the swarm how far this peer is; `ready`: its inner steps are done (no-op without a network)."""
 
     def others_ready(self, round: int) -> bool:
@@ -61,16 +89,17 @@ class Averager(ABC):
         """
         return False
 
-    def offer_state(self, round: int, state: dict[str, Any]) -> None:
-        """Make the just-committed state of `round` downloadable by newcomers (no-op without a network)."""
+    def offer_state(self, snapshot: Snapshot) -> None:
+        """Serve `snapshot` to newcomers from now on (no-op without a network)."""
 
-    def fetch_state(self, newer_than: int, validate: Callable[[dict], None],
-                    donors: Optional[list[str]] = None) -> Optional[dict[str, Any]]:
-        """Download the freshest state from a peer if the swarm is past round `newer_than`, else None.
-
-        `validate` raises on a state that does not fit this peer (wrong shapes); that donor is skipped.
-        `donors` restricts the choice to these peer ids.
-        """
+    def fetch_state(self, intake: Intake, round: int, sha256: str, donors: Optional[list[str]] = None,
+                    must: bool = False) -> Optional[int]:
+        """Take the swarm's state into `intake` if the swarm committed a later round than `round`, or holds
+        another hash than `sha256` at it (from `donors` if given), or whatever it holds with `must` (our own
+        model went bad). Returns the round taken, None if there was nothing to take; SwarmError if there
+        was but no peer could give it: a peer never trains on from a state the swarm has left behind."""
+        if must:
+            raise SwarmError(f"no peer to take a state from at round {round} (this peer runs without a swarm)")
         return None
 
     def finish(self, round: int) -> None:
@@ -93,8 +122,11 @@ def weighted_mean(contributions: list[tuple[list[torch.Tensor], float]]) -> list
 
 
 class SoloAverager(Averager):
-    def average(self, round: int, pseudo_grad: list[torch.Tensor], samples: int, base: str = "") -> RoundOutcome:
-        return RoundOutcome([t.float() for t in pseudo_grad], group_size=1, total_samples=samples, note="solo")
+    def average(self, round: int, pseudo_grad: PseudoGradient, samples: int, out: Sequence[torch.Tensor],
+                base: str = "") -> RoundOutcome:
+        for i, o in enumerate(out):
+            o.copy_(pseudo_grad.read(i, 0, o.numel()).view(o.shape))
+        return RoundOutcome(out, group_size=1, total_samples=samples, note="solo")
 
 
 class SimAverager:
@@ -133,11 +165,14 @@ class _SimMember(Averager):
     def __init__(self, sim: SimAverager, index: int):
         self.sim, self.index = sim, index
 
-    def average(self, round: int, pseudo_grad: list[torch.Tensor], samples: int, base: str = "") -> RoundOutcome:
+    def average(self, round: int, pseudo_grad: PseudoGradient, samples: int, out: Sequence[torch.Tensor],
+                base: str = "") -> RoundOutcome:
         start = time.perf_counter()
-        self.sim._inbox[self.index] = (pseudo_grad, float(samples))
+        self.sim._inbox[self.index] = (pseudo_grad.tensors(), float(samples))
         self.sim._gathered.wait()
-        result, total = [t.clone() for t in self.sim._result], self.sim._total_samples
+        for o, r in zip(out, self.sim._result):
+            o.copy_(r)
+        total = self.sim._total_samples
         self.sim._released.wait()  # nobody reads _result once the next round starts writing it
-        return RoundOutcome(result, group_size=self.sim.replicas, total_samples=total,
+        return RoundOutcome(out, group_size=self.sim.replicas, total_samples=total,
                             comm_s=time.perf_counter() - start, note=f"sim x{self.sim.replicas}")

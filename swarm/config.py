@@ -120,12 +120,14 @@ class SwarmConfig:
     """How long a leader waits for groupmates: raise it if peers of one round end up in separate groups."""
     request_timeout: float = 3.0
     """Per-request wait in matchmaking; must stay below matchmaking_time or leaders deadlock."""
-    allreduce_timeout: float = 60.0
-    """Bound on one all-reduce: a peer killed mid-round makes the survivors fail after this, not hang."""
-    round_timeout: float = 180.0
-    """Bound on matchmaking + all-reduce + retries of one round: past it the round is discarded."""
-    state_timeout: float = 60.0
-    """Bound on downloading the state from one donor: past it the next donor is tried."""
+    stall_timeout: float = 30.0
+    """A stream (all-reduce, state download) that moves no byte for this long is given up: a peer killed
+    mid-round makes the survivors retry after this, not hang. Raise it if "stalled" shows up on links that
+    are slow but alive."""
+    min_bandwidth: float = 1e6
+    """Bytes/s: the slowest link the swarm supports. A transfer of B bytes is given up after stall_timeout +
+    B / min_bandwidth s, and a round after three such all-reduces plus matchmaking (swarm/net/budget.py).
+    Lower it if a slow but steady peer logs "not done within"."""
     progress_interval: float = 1.0
     """Seconds between progress records (and checks whether peers wait to average): lower it if stragglers
     join a round's group too late; raise it if the DHT traffic of many peers is too much."""
@@ -187,6 +189,18 @@ class Config:
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def live_window(s: SwarmConfig) -> float:
+    """A peer whose progress record was not refreshed for this long is gone: its heartbeat re-stores it every
+    `progress_interval`, and one store may take up to `request_timeout`."""
+    return 5 * s.progress_interval + 2 * s.request_timeout
+
+
+RETIRED = {"swarm.allreduce_timeout": "swarm.stall_timeout and swarm.min_bandwidth",
+           "swarm.round_timeout": "swarm.stall_timeout and swarm.min_bandwidth",
+           "swarm.state_timeout": "swarm.stall_timeout and swarm.min_bandwidth"}
+"""Keys that existed once: a config still using one is told what replaced it."""
+
+
 def _check_type(key: str, value: Any, tp: Any) -> Any:
     """Return `value` coerced to `tp` (int -> float only), or raise ConfigError naming `key`."""
     origin = typing.get_origin(tp)
@@ -233,6 +247,8 @@ def _apply(section: Any, prefix: str, values: dict[str, Any]) -> None:
             while isinstance(value, dict) and len(value) == 1:  # name the full dotted key of an override
                 (sub, value), = value.items()
                 key = f"{key}.{sub}"
+            if key in RETIRED:
+                raise ConfigError(f"config key {key!r} was replaced by {RETIRED[key]} (time-outs now follow the bytes)")
             raise ConfigError(f"unknown config key {key!r}")
         current = getattr(section, name)
         if dataclasses.is_dataclass(current):
@@ -314,9 +330,14 @@ def validate(cfg: Config) -> None:
         raise ConfigError("swarm.request_timeout must be below swarm.matchmaking_time")
     if s.min_group_size < 1 or s.target_group_size < s.min_group_size:
         raise ConfigError("swarm.target_group_size must be >= swarm.min_group_size >= 1")
-    for name in ("bootstrap_timeout", "matchmaking_time", "allreduce_timeout", "round_timeout", "state_timeout"):
+    for name in ("bootstrap_timeout", "matchmaking_time", "stall_timeout", "progress_interval"):
         if not getattr(s, name) > 0:
             raise ConfigError(f"swarm.{name} must be a positive number of seconds")
+    if not s.min_bandwidth > 0:
+        raise ConfigError(f"swarm.min_bandwidth must be a positive number of bytes/s, got {s.min_bandwidth}")
+    if s.progress_expiration <= live_window(s):
+        raise ConfigError(f"swarm.progress_expiration {s.progress_expiration:g} must exceed the {live_window(s):g} s "
+                          f"after which a silent peer counts as gone (5 x progress_interval + 2 x request_timeout)")
 
 
 def load_config(path: str | Path | None, overrides: list[str] | dict | None = None) -> Config:

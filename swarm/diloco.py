@@ -3,23 +3,58 @@
 `DiLoCo` keeps the global parameters (fp32, on `global_device`) and the outer optimizer, SGD with
 Nesterov momentum. One round, seen from a peer:
 
-    pseudo_grad = diloco.pseudo_gradient()        # global - local, after H inner steps
-    averaged    = averager.average(pseudo_grad)   # weighted mean over the group
-    diloco.outer_step(averaged)                   # global <- outer SGD step; local <- global
+    pseudo_grad = diloco.pseudo_gradient()           # global - local, read lazily after H inner steps
+    averaged = diloco.outer_grads()                  # fp32 buffers the all-reduce writes the mean into
+    averager.average(pseudo_grad, averaged)          # weighted mean over the group
+    diloco.outer_step(averaged)                      # global <- outer SGD step; local <- global
 
 Sign convention: the pseudo-gradient is `global - local`, so it points where a gradient points (the
 local model moved *against* it). With outer lr 1 and no momentum the outer step lands exactly on the
 (averaged) local parameters: that is FedAvg, and a test pins it.
+
+Memory: the pseudo-gradient is never materialized (the all-reduce reads it chunk by chunk), and the
+averaged buffers are the outer optimizer's `.grad`, freed after each step. SGD runs per tensor
+(`foreach=False`): the multi-tensor path would allocate a vector-sized temporary and overwrite `.grad`,
+which groupmates may still be reading from us (allreduce.py repairs).
+
+`version` is a seqlock for readers on other threads (the state server): odd while the global parameters
+or the outer momentum are being changed, and different after every change.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Optional
+from typing import Optional, Sequence
 
 import torch
 
 from swarm.config import OuterConfig
+
+
+class PseudoGradient:
+    """global - local (+ an error-feedback residual) in fp32, read slice by slice: never one whole vector."""
+
+    def __init__(self, global_params: Sequence[torch.Tensor], local_params: Sequence[torch.Tensor],
+                 residual: Optional[Sequence[torch.Tensor]] = None):
+        self.global_params, self.local_params, self.residual = global_params, local_params, residual
+        self.shapes = [g.shape for g in global_params]
+
+    @torch.no_grad()
+    def read(self, index: int, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of flattened tensor `index`, as a fresh fp32 CPU tensor."""
+        g = self.global_params[index].view(-1)[start:end]
+        out = g - self.local_params[index].detach().view(-1)[start:end].to(g.device, torch.float32)
+        if self.residual is not None:
+            out += self.residual[index].view(-1)[start:end].to(g.device)
+        return out.cpu()
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The whole pseudo-gradient, materialized (for in-memory averagers, tests and tensor dumps)."""
+        return [self.read(i, 0, g.numel()).view(g.shape) for i, g in enumerate(self.global_params)]
+
+    @torch.no_grad()
+    def is_finite(self) -> bool:
+        return all(bool(torch.isfinite(t.detach()).all()) for t in [*self.global_params, *self.local_params])
 
 
 class DiLoCo:
@@ -28,18 +63,22 @@ class DiLoCo:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.global_params = [p.detach().to(global_device, torch.float32, copy=True) for p in self.params]
         self.outer_optimizer = torch.optim.SGD(
-            self.global_params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0
+            self.global_params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0,
+            foreach=False,
         )
         self.round = 0  # outer steps committed so far
+        self.version = 0
         self._sha256: Optional[str] = None  # hash of global_params; reset whenever they change
 
-    @torch.no_grad()
-    def pseudo_gradient(self) -> list[torch.Tensor]:
-        """global - local, in fp32 on the global device."""
-        return [g - p.detach().to(g.device, torch.float32) for g, p in zip(self.global_params, self.params)]
+    def pseudo_gradient(self, residual: Optional[Sequence[torch.Tensor]] = None) -> PseudoGradient:
+        return PseudoGradient(self.global_params, self.params, residual)
+
+    def outer_grads(self) -> list[torch.Tensor]:
+        """Fresh fp32 buffers shaped like the global parameters, for the averaged pseudo-gradient."""
+        return [torch.empty_like(g) for g in self.global_params]
 
     @torch.no_grad()
-    def outer_step(self, averaged: list[torch.Tensor]) -> None:
+    def outer_step(self, averaged: Sequence[torch.Tensor]) -> None:
         """Apply the outer optimizer with `averaged` as the gradient, then reset the local model to global."""
         if len(averaged) != len(self.global_params):
             raise ValueError(f"averaged pseudo-gradient has {len(averaged)} tensors, "
@@ -47,12 +86,32 @@ class DiLoCo:
         for g, delta in zip(self.global_params, averaged):
             if delta.shape != g.shape:
                 raise ValueError(f"averaged pseudo-gradient shape {tuple(delta.shape)} != {tuple(g.shape)}")
-            g.grad = delta.to(g.device, torch.float32)
-        self.outer_optimizer.step()
-        self._sha256 = None
-        self.outer_optimizer.zero_grad(set_to_none=True)
-        self.round += 1
+        with self.changing():
+            for g, delta in zip(self.global_params, averaged):
+                g.grad = delta.to(g.device, torch.float32)
+            self.outer_optimizer.step()
+            for g in self.global_params:
+                g.grad = None
+            self.round += 1
         self.sync_local()
+
+    def changing(self):
+        """Context for any change to the global parameters or the outer momentum (see `version`)."""
+        return _Changing(self)
+
+    def momentum_buffers(self) -> Optional[list[torch.Tensor]]:
+        """The outer momentum, one buffer per global parameter; None before the first outer step."""
+        state = self.outer_optimizer.state
+        buffers = [state.get(g, {}).get("momentum_buffer") for g in self.global_params]
+        return buffers if all(b is not None for b in buffers) else None
+
+    def set_momentum(self, buffers: Optional[list[torch.Tensor]]) -> None:
+        """Install (or, with None, drop) the outer momentum buffers."""
+        for i, g in enumerate(self.global_params):
+            if buffers is None:
+                self.outer_optimizer.state.pop(g, None)
+            else:
+                self.outer_optimizer.state[g] = {"momentum_buffer": buffers[i]}
 
     @torch.no_grad()
     def sync_local(self) -> None:
@@ -65,35 +124,19 @@ class DiLoCo:
         if self._sha256 is None:
             digest = hashlib.sha256()
             for g in self.global_params:
-                digest.update(g.detach().cpu().contiguous().numpy().tobytes())
+                digest.update(memoryview(g.detach().cpu().contiguous().numpy()).cast("B"))
             self._sha256 = digest.hexdigest()
         return self._sha256
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "round": self.round,
-            "global_params": [g.detach().cpu().clone() for g in self.global_params],
-            "outer_optimizer": self.outer_optimizer.state_dict(),
-        }
 
-    def validate_state(self, state: dict[str, Any]) -> None:
-        """Raise ValueError unless `state` fits this model (a donor's or a checkpoint's)."""
-        params = state.get("global_params")
-        if not isinstance(params, list) or len(params) != len(self.global_params):
-            raise ValueError("state holds a different number of global parameters")
-        for i, (t, g) in enumerate(zip(params, self.global_params)):
-            if not isinstance(t, torch.Tensor) or t.shape != g.shape:
-                shape = tuple(getattr(t, "shape", ()))
-                raise ValueError(f"global parameter {i} has shape {shape}, expected {tuple(g.shape)}")
-            if not torch.isfinite(t).all():
-                raise ValueError(f"global parameter {i} holds NaN or Inf")
+class _Changing:
+    def __init__(self, diloco: DiLoCo):
+        self.diloco = diloco
 
-    @torch.no_grad()
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.validate_state(state)
-        for g, t in zip(self.global_params, state["global_params"]):
-            g.copy_(t)
-        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
-        self.round = int(state["round"])
-        self._sha256 = None
-        self.sync_local()
+    def __enter__(self):
+        self.diloco.version += 1
+        self.diloco._sha256 = None
+
+    def __exit__(self, *exc):
+        self.diloco.version += 1
+        self.diloco._sha256 = None

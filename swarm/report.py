@@ -4,18 +4,26 @@ summary.json holds `run`, `mode`, `config` (resolved), `wall_s`, `events`, and `
 `peer_id`, `rounds_completed` and `final_global_sha256` (the round and hash it ended on, committed or
 downloaded from a peer), `round_hashes` (global-parameter sha256 after each committed round),
 `initial_eval_loss`, `train_loss` and `eval_loss` (per committed round), `compute_s`, `comm_s`,
-`bytes_sent`, `bytes_received` (all-reduce payload, totals) and `rounds` (every round record, discarded
-ones included, with its own byte counts).
+`overhead_s`, `bytes_sent`, `bytes_received` (all-reduce payload, totals), `peak_rss_bytes` (the peer
+process's peak resident memory, read by the peer itself) and `rounds` (every round record, discarded ones
+included, with its own byte counts and `overhead_s`: the round's time outside inner steps and
+matchmaking + all-reduce).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from swarm.trainer import PeerHistory
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def peer_summary(history: PeerHistory) -> dict[str, Any]:
@@ -31,6 +39,8 @@ def peer_summary(history: PeerHistory) -> dict[str, Any]:
         "eval_loss": [r.eval_loss for r in committed],
         "compute_s": sum(r.compute_s for r in history.rounds),
         "comm_s": sum(r.comm_s for r in history.rounds),
+        "overhead_s": sum(r.overhead_s for r in history.rounds),
+        "peak_rss_bytes": peak_rss_bytes(),
         "bytes_sent": sum(r.bytes_sent for r in history.rounds),
         "bytes_received": sum(r.bytes_received for r in history.rounds),
         "rounds": [r.__dict__ for r in history.rounds],

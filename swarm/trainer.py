@@ -4,6 +4,8 @@ The inner loop is plain PyTorch (AdamW, warmup + cosine, grad clipping). The onl
 peers is `averager.average(...)` at the round boundary; the loop never sees the DHT. Every round
 either commits (outer step applied, hash logged, checkpoint written, state offered to newcomers) or is
 discarded (the local model keeps its inner progress and the next pseudo-gradient covers both rounds).
+A peer whose local model went NaN/Inf, or that learns the swarm has committed a later round, takes the
+swarm's state; if no peer can give it, it stops (SwarmError) rather than train on from a stale state.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from swarm.averaging import Averager, RoundOutcome
+from swarm import state as peer_state
+from swarm.averaging import Averager, Intake, RoundOutcome, Snapshot
 from swarm.checkpoint import Checkpointer, CorruptCheckpoint
 from swarm.config import Config, InnerConfig
 from swarm.data import TrainBatches, load_corpus
-from swarm.diloco import DiLoCo
+from swarm.diloco import DiLoCo, PseudoGradient
 from swarm.model import build_model, count_parameters
+from swarm.state import TensorSpec, dtype_of
 
 log = logging.getLogger("swarm.trainer")
 
@@ -40,13 +44,14 @@ class RoundRecord:
     global_sha256: str
     group_size: int
     samples: int
-    compute_s: float
-    comm_s: float
+    compute_s: float  # inner steps
+    comm_s: float  # matchmaking and all-reduce
     bytes_sent: int
     bytes_received: int
     tokens_per_s: float
     note: str = ""
     time: float = 0.0  # unix time when the round closed
+    overhead_s: float = 0.0  # the rest of the round: outer step, hashing, eval, checkpoint, state download
 
 
 @dataclass
@@ -105,66 +110,77 @@ class Trainer:
         log.info("peer %s: %d parameters, shard %d, %d rounds x %d inner steps",
                  peer_id, count_parameters(self.model), shard, cfg.diloco.rounds, cfg.diloco.inner_steps)
 
-    # ---- state: the same dict goes to checkpoints and to newcomers -------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "diloco": self.diloco.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "step": self.step,
-            "samples_since_commit": self.samples_since_commit,
-        }
+    # ---- state: the named tensors of swarm/state.py, in checkpoints and for newcomers ------------------
+    def _set_position(self, round: int, step: int) -> None:
+        """Round and inner step; the learning-rate schedule follows the step."""
+        self.diloco.round, self.step = round, step
+        self.scheduler.last_epoch, self.scheduler._step_count = step, step + 1
+        lrs = [base * fn(step) for base, fn in zip(self.scheduler.base_lrs, self.scheduler.lr_lambdas)]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        self.scheduler._last_lr = lrs
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.diloco.load_state_dict(state["diloco"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step = int(state["step"])
-        self.samples_since_commit = int(state["samples_since_commit"])
+    def snapshot(self) -> Snapshot:
+        return Snapshot(self.diloco.round, self.diloco.global_sha256(), {"round": self.diloco.round, "step": self.step},
+                        peer_state.shared_tensors(self.diloco, self.optimizer), self.diloco.version,
+                        lambda: self.diloco.version)
 
-    def validate_state(self, state: dict[str, Any]) -> None:
-        self.diloco.validate_state(state["diloco"])
+    def intake(self) -> Intake:
+        def accept(meta: dict[str, Any]) -> None:
+            round, step = meta.get("round"), meta.get("step")
+            if not (isinstance(round, int) and isinstance(step, int) and round >= 0 and step >= 0):
+                raise ValueError(f"state position round={round!r} step={step!r} is not a pair of counts")
+            self._set_position(round, step)
+            self.samples_since_commit = 0
+            self.error_feedback = None  # it belonged to the local progress we just dropped
+            self.diloco.sync_local()
+        return Intake(lambda specs: peer_state.destinations(self.diloco, self.optimizer, specs), accept)
 
     def save_checkpoint(self) -> None:
         if self.checkpointer is None:
             return
-        state = self.state_dict()
-        state["history"] = _history_to_dict(self.history)
-        state["rng"] = torch.get_rng_state()
-        state["error_feedback"] = self.error_feedback
-        self.checkpointer.save(state)
+        tensors = dict(peer_state.shared_tensors(self.diloco, self.optimizer))
+        for i, e in enumerate(self.error_feedback or []):
+            tensors[f"error_feedback.{i}"] = e
+        tensors["rng"] = torch.get_rng_state()
+        meta = {"round": self.diloco.round, "step": self.step, "samples_since_commit": self.samples_since_commit,
+                "history": _history_to_dict(self.history)}
+        self.checkpointer.save(tensors, meta)
 
     def resume(self) -> bool:
         """Restore from this peer's checkpoint (if any and enabled); True if restored."""
         if self.checkpointer is None or not self.cfg.checkpoint.resume or not self.checkpointer.exists():
             return False
-        state = self.checkpointer.load()
-        self.validate_state(state)
-        self.load_state_dict(state)
-        self.history = _history_from_dict(state["history"])
-        torch.set_rng_state(state["rng"])
-        self.error_feedback = state.get("error_feedback")
+        extras: dict[str, torch.Tensor] = {}
+
+        def destinations(specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
+            shared = [s for s in specs if not s.name.startswith(("error_feedback.", "rng"))]
+            extras.update({s.name: torch.empty(s.shape, dtype=dtype_of(s.dtype)) for s in specs if s not in shared})
+            return {**peer_state.destinations(self.diloco, self.optimizer, shared), **extras}
+
+        with self.diloco.changing():
+            meta = self.checkpointer.load(destinations)
+        self._set_position(meta["round"], meta["step"])
+        self.samples_since_commit = meta["samples_since_commit"]
+        self.diloco.sync_local()
+        self.history = _history_from_dict(meta["history"])
+        torch.set_rng_state(extras["rng"])
+        feedback = sorted((k for k in extras if k.startswith("error_feedback.")), key=lambda k: int(k.split(".")[1]))
+        self.error_feedback = [extras[k] for k in feedback] or None
         log.info("resumed from %s at round %d (inner step %d)", self.checkpointer.path, self.diloco.round, self.step)
         return True
 
-    def catch_up(self, donors: Optional[list[str]] = None) -> bool:
-        """If the swarm is past our round, take the state from a peer; True if we did.
-
-        With `donors` (peers on other global parameters than ours, at our round or past it) take theirs.
-        """
-        newer_than = self.diloco.round - 1 if donors else self.diloco.round
-        state = self.averager.fetch_state(newer_than, self.validate_state, donors)
-        if state is None:
-            return False
-        before = self.diloco.round
-        self.load_state_dict(state)
-        self.samples_since_commit = 0
-        self.error_feedback = None  # it belonged to the local progress we just dropped
-        log.info("caught up from round %d to round %d from a peer's state", before, self.diloco.round)
-        self.history.events.append({"event": "state_downloaded", "time": time.time(), "from_round": before,
-                                    "to_round": self.diloco.round})
-        self.averager.offer_state(self.diloco.round, self.state_dict())
-        return True
+    def catch_up(self, donors: Optional[list[str]] = None, must: bool = False) -> bool:
+        """Take the swarm's state if it is ahead of ours (from `donors` if given; any state with `must`)."""
+        before, sha = self.diloco.round, self.diloco.global_sha256()
+        with self.diloco.changing():
+            got = self.averager.fetch_state(self.intake(), before, sha, donors, must)
+        if got is not None:
+            log.info("caught up from round %d to round %d from a peer's state", before, self.diloco.round)
+            self.history.events.append({"event": "state_downloaded", "time": time.time(), "from_round": before,
+                                        "to_round": self.diloco.round})
+        self.averager.offer_state(self.snapshot())
+        return got is not None
 
     # ---- the loop ------------------------------------------------------------------------------------
     def inner_step(self) -> float:
@@ -189,8 +205,7 @@ class Trainer:
                 raise
             log.warning("%s; falling back to the state of peers", e)
             self.history.events.append({"event": "corrupt_checkpoint", "time": time.time(), "error": str(e)})
-        if not self.catch_up():
-            self.averager.offer_state(self.diloco.round, self.state_dict())
+        self.catch_up()
         if self.history.initial_eval_loss is None:
             self.history.initial_eval_loss = evaluate(self.model, self.eval_batches, self.device)
             log.info("round %d: eval loss %.4f (before training)", self.diloco.round, self.history.initial_eval_loss)
@@ -214,25 +229,39 @@ class Trainer:
                         self._inject_faults(i + 1, stopping_early=True)
                         break
             compute_s = time.perf_counter() - start
-            self._publish_progress(start, len(losses), ready=True)
+            pseudo_grad = self.diloco.pseudo_gradient(self.error_feedback)
+            if not (all(map(math.isfinite, losses)) and pseudo_grad.is_finite()):
+                self._recover_from_non_finite(losses)
+                continue
 
             # The outer step: average the pseudo-gradients, then commit or discard the round.
-            pseudo_grad, samples = self.diloco.pseudo_gradient(), self.samples_since_commit
-            if self.error_feedback is not None:
-                pseudo_grad = [g + e.to(g.device) for g, e in zip(pseudo_grad, self.error_feedback)]
-            before = [g.clone() for g in self.diloco.global_params] if self.cfg.logging.dump_tensors else None
-            outcome = self.averager.average(self.diloco.round, pseudo_grad, samples, self.diloco.global_sha256())
+            self._publish_progress(start, len(losses), ready=True)
+            samples = self.samples_since_commit
+            dump = self._dump_inputs(pseudo_grad, samples) if self.cfg.logging.dump_tensors else None
+            outcome = self.averager.average(self.diloco.round, pseudo_grad, samples, self.diloco.outer_grads(),
+                                            self.diloco.global_sha256())
             record = self._close_round(outcome, sum(losses) / len(losses), compute_s,
-                                       tokens_per_step * len(losses) / compute_s)
-            if self.cfg.logging.dump_tensors:
-                self._dump(record, pseudo_grad, samples, before)
+                                       tokens_per_step * len(losses) / compute_s, start)
+            if dump is not None:
+                self._dump(record, *dump)
             if self.on_round is not None:
                 self.on_round(record)
         return self.history
 
+    def _recover_from_non_finite(self, losses: list[float]) -> None:
+        """The local model went NaN/Inf: stop announcing readiness, take the swarm's state or stop (SwarmError)."""
+        log.warning("round %d: the local model is not finite (last loss %s): taking the swarm's state",
+                    self.diloco.round + 1, losses[-1] if losses else "-")
+        self.averager.publish_progress(self.diloco.round, self.step, 0, 0.0, ready=False,
+                                       sha256=self.diloco.global_sha256())
+        self.history.events.append({"event": "non_finite_model", "time": time.time(), "round": self.diloco.round})
+        self.catch_up(must=True)
+        self.samples_since_commit = 0
+
     def _publish_progress(self, start: float, steps: int, ready: bool = False) -> None:
         samples_per_s = steps * self.cfg.data.batch_size / max(1e-9, time.perf_counter() - start)
-        self.averager.publish_progress(self.diloco.round, self.step, self.samples_since_commit, samples_per_s, ready)
+        self.averager.publish_progress(self.diloco.round, self.step, self.samples_since_commit, samples_per_s, ready,
+                                       self.diloco.global_sha256())
 
     def _inject_faults(self, inner_step: int, stopping_early: bool = False) -> None:
         """`faults` config: sleep like a slow peer, or SIGKILL this process halfway through a round (or where
@@ -245,8 +274,8 @@ class Trainer:
             log.warning("fault injection: killing this peer (SIGKILL) in round %d", self.diloco.round + 1)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def _close_round(self, outcome: RoundOutcome, train_loss: float, compute_s: float,
-                     tokens_per_s: float) -> RoundRecord:
+    def _close_round(self, outcome: RoundOutcome, train_loss: float, compute_s: float, tokens_per_s: float,
+                     start: float) -> RoundRecord:
         committed = outcome.averaged is not None
         if committed:
             self.diloco.outer_step(outcome.averaged)
@@ -258,6 +287,7 @@ class Trainer:
         else:
             log.warning("round %d discarded (%s): keeping local progress for the next attempt",
                         self.diloco.round + 1, outcome.note)
+        outcome.averaged = None  # the all-reduce's buffers: free them before eval and checkpoint
         eval_loss = None
         if committed and self.diloco.round % self.cfg.diloco.eval_every == 0:
             eval_loss = evaluate(self.model, self.eval_batches, self.device)
@@ -269,15 +299,20 @@ class Trainer:
             tokens_per_s=tokens_per_s, note=outcome.note, time=time.time(),
         )
         self.history.rounds.append(record)
+        if committed and self.checkpointer is not None and self.diloco.round % self.cfg.checkpoint.every == 0:
+            self.save_checkpoint()
+        if committed:
+            self.averager.offer_state(self.snapshot())
+        record.overhead_s = max(0.0, time.perf_counter() - start - compute_s - outcome.comm_s)
         if committed:
             log.info("round %d committed: train loss %.4f, eval loss %s, group %d, %.0f tokens/s, compute %.1fs, "
-                     "comm %.2fs, global %s", record.round, train_loss,
+                     "comm %.2fs, overhead %.2fs, global %s", record.round, train_loss,
                      "-" if eval_loss is None else f"{eval_loss:.4f}", outcome.group_size, tokens_per_s, compute_s,
-                     outcome.comm_s, record.global_sha256[:12])
-            if self.checkpointer is not None and self.diloco.round % self.cfg.checkpoint.every == 0:
-                self.save_checkpoint()
-            self.averager.offer_state(self.diloco.round, self.state_dict())
+                     outcome.comm_s, record.overhead_s, record.global_sha256[:12])
         return record
+
+    def _dump_inputs(self, pseudo_grad: PseudoGradient, samples: int) -> tuple:
+        return pseudo_grad.tensors(), samples, [g.clone() for g in self.diloco.global_params]
 
     def _dump(self, record: RoundRecord, pseudo_grad: list[torch.Tensor], samples: int,
               global_before: list[torch.Tensor]) -> None:
@@ -286,7 +321,7 @@ class Trainer:
         folder.mkdir(parents=True, exist_ok=True)
         attempt = len(self.history.rounds)
         torch.save({"record": record.__dict__, "pseudo_grad": pseudo_grad, "samples": samples,
-                    "global_before": global_before, "global_after": self.diloco.state_dict()["global_params"]},
+                    "global_before": global_before, "global_after": [g.clone() for g in self.diloco.global_params]},
                    folder / f"attempt-{attempt:04d}.pt")
 
 

@@ -17,8 +17,8 @@ SMALL = ["--model.hidden_size", "32", "--model.num_layers", "1", "--model.num_he
          "--model.intermediate_size", "64", "--model.max_seq_len", "32", "--data.seq_len", "32",
          "--data.max_documents", "80", "--data.eval_batches", "2", "--inner.warmup_steps", "2",
          "--diloco.threads", "1", "--logging.progress_bar", "false",
-         "--swarm.matchmaking_time", "3", "--swarm.request_timeout", "1", "--swarm.allreduce_timeout", "10",
-         "--swarm.round_timeout", "40", "--swarm.progress_expiration", "20"]
+         "--swarm.matchmaking_time", "3", "--swarm.request_timeout", "1", "--swarm.stall_timeout", "5",
+         "--swarm.progress_expiration", "20"]
 
 
 class Swarm:

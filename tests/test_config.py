@@ -44,6 +44,10 @@ def test_overrides_in_both_forms():
     (["--swarm.compression", "int3"], "swarm.compression"),
     (["--model.hidden_size", "130"], "model.hidden_size"),
     (["--swarm.request_timeout", "9"], "swarm.request_timeout"),
+    (["--swarm.min_bandwidth", "0"], "swarm.min_bandwidth"),
+    (["--swarm.stall_timeout", "-1"], "swarm.stall_timeout"),
+    (["--swarm.progress_expiration", "5"], "swarm.progress_expiration"),
+    (["--swarm.allreduce_timeout", "60"], "swarm.allreduce_timeout' was replaced by swarm.stall_timeout"),
 ])
 def test_bad_overrides_name_the_culprit(overrides, culprit):
     with pytest.raises(ConfigError, match=culprit.replace(".", r"\.")):

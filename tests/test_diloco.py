@@ -22,8 +22,11 @@ def test_pseudo_gradient_is_global_minus_local():
     diloco = DiLoCo(model, OuterConfig())
     with torch.no_grad():
         model.weight.sub_(torch.tensor([[0.25, -0.5]]))
-    (pg,) = diloco.pseudo_gradient()
+    (pg,) = diloco.pseudo_gradient().tensors()
     assert torch.equal(pg, torch.tensor([[0.25, -0.5]]))
+    assert torch.equal(diloco.pseudo_gradient().read(0, 1, 2), torch.tensor([-0.5]))  # a slice, never the whole
+    residual = [torch.tensor([[0.5, 0.5]])]
+    assert torch.equal(diloco.pseudo_gradient(residual).tensors()[0], torch.tensor([[0.75, 0.0]]))
 
 
 def test_outer_lr_one_without_momentum_is_fedavg():
@@ -60,14 +63,34 @@ def test_outer_step_equals_torch_nesterov_sgd_on_the_mean():
     assert diloco.round == 4
 
 
-def test_state_roundtrip_and_shape_check():
+def test_outer_step_leaves_the_averaged_buffers_intact_and_bumps_the_version():
+    """Groupmates may still read the average from us after our outer step (all-reduce repairs)."""
     model = _model([1.0, 2.0])
     diloco = DiLoCo(model, OuterConfig())
-    diloco.outer_step([torch.tensor([[0.1, 0.2]])])
+    for _ in range(2):  # the second step has momentum: torch's multi-tensor Nesterov would overwrite .grad
+        averaged = [torch.tensor([[0.1, 0.2]])]
+        before, version = averaged[0].clone(), diloco.version
+        diloco.outer_step(averaged)
+        assert torch.equal(averaged[0], before) and diloco.global_params[0].grad is None
+        assert diloco.version == version + 2 and diloco.momentum_buffers() is not None
+
+
+def test_shared_state_round_trips_by_name_and_refuses_another_shape():
+    from swarm.state import TensorSpec, destinations, shared_tensors
+
+    donor, opt = DiLoCo(_model([1.0, 2.0]), OuterConfig()), None
+    opt = torch.optim.AdamW(donor.model.parameters())
+    donor.model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    donor.outer_step([torch.tensor([[0.1, 0.2]])])
+    sent = shared_tensors(donor, opt)
+    assert list(sent) == ["global.0", "momentum.0", "adam.0.exp_avg", "adam.0.exp_avg_sq", "adam.0.step"]
     other = DiLoCo(_model([0.0, 0.0]), OuterConfig())
-    other.load_state_dict(diloco.state_dict())
-    assert other.global_sha256() == diloco.global_sha256() and other.round == 1
-    bad = diloco.state_dict()
-    bad["global_params"] = [torch.zeros(3)]
-    with pytest.raises(ValueError, match="shape"):
-        other.load_state_dict(bad)
+    other_opt = torch.optim.AdamW(other.model.parameters())
+    targets = destinations(other, other_opt, [TensorSpec.of(k, t) for k, t in sent.items()])
+    for name, t in sent.items():
+        targets[name].copy_(t)
+    assert other.global_sha256() == donor.global_sha256()
+    assert torch.equal(other_opt.state[other.params[0]]["exp_avg"], opt.state[donor.params[0]]["exp_avg"])
+    with pytest.raises(ValueError, match="expected global.0"):
+        destinations(other, other_opt, [TensorSpec("global.0", "float32", (3,))])

@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from swarm.averaging import Averager, RoundOutcome
-from swarm.net.allreduce import part_bounds
-from swarm.net.codec import get_codec, part_residual
+from swarm.diloco import PseudoGradient
+from swarm.net.codec import get_codec
+from swarm.net.layout import part_bounds
+from swarm.state import shared_tensors
 from swarm.trainer import Trainer
 from tests.conftest import tiny_config
 
@@ -18,7 +20,7 @@ def quantized_allreduce(codec, flats, weights):
     received = [torch.cat([codec.round_trip(f[s:e]) for s, e in bounds]) for f in flats]
     mean = sum(r * w for r, w in zip(received, weights)) / sum(weights)
     result = torch.cat([codec.round_trip(mean[s:e]) for s, e in bounds])
-    return result, [part_residual(codec, f, bounds) for f in flats]
+    return result, [f - r for f, r in zip(flats, received)]
 
 
 @pytest.mark.timeout(120)
@@ -52,11 +54,15 @@ class ResidualAverager(Averager):
 
     def __init__(self):
         self.sent: list[list[torch.Tensor]] = []
+        self.plain: list[list[torch.Tensor]] = []
 
-    def average(self, round, pseudo_grad, samples, base=""):
-        self.sent.append([t.clone() for t in pseudo_grad])
-        residual = [torch.full_like(t, 0.001 * (round + 1)) for t in pseudo_grad]
-        return RoundOutcome([t.clone() for t in pseudo_grad], total_samples=samples, residual=residual)
+    def average(self, round, pseudo_grad, samples, out, base=""):
+        self.sent.append(pseudo_grad.tensors())
+        self.plain.append(PseudoGradient(pseudo_grad.global_params, pseudo_grad.local_params).tensors())
+        for o, t in zip(out, self.sent[-1]):
+            o.copy_(t)
+        residual = [torch.full_like(t, 0.001 * (round + 1)) for t in out]
+        return RoundOutcome(out, total_samples=samples, residual=residual)
 
 
 @pytest.mark.timeout(120)
@@ -65,21 +71,19 @@ def test_trainer_adds_residual_to_next_pseudo_gradient_and_checkpoints_it(tmp_pa
                       checkpoint={"every": 1})
     averager = ResidualAverager()
     trainer = Trainer(cfg, averager, "p", shard=0, out_dir=tmp_path)
-    plain = []
-    original = trainer.diloco.pseudo_gradient
-    trainer.diloco.pseudo_gradient = lambda: plain.append(original()) or [t.clone() for t in plain[-1]]
     trainer.train()
     assert len(averager.sent) == 2
-    for a, b in zip(averager.sent[0], plain[0]):
+    for a, b in zip(averager.sent[0], averager.plain[0]):
         assert torch.equal(a, b)  # nothing to feed back in the first round
-    for a, b in zip(averager.sent[1], plain[1]):
+    for a, b in zip(averager.sent[1], averager.plain[1]):
         assert torch.allclose(a, b + 0.001)  # round 1's residual was added
-    state = trainer.checkpointer.load()
-    assert all(torch.equal(e, torch.full_like(e, 0.002)) for e in state["error_feedback"])
-    assert "error_feedback" not in trainer.state_dict()  # per peer: never served to newcomers
+    tensors, _ = trainer.checkpointer.load_all()
+    feedback = [tensors[f"error_feedback.{i}"] for i in range(len(averager.sent[0]))]
+    assert all(torch.equal(e, torch.full_like(e, 0.002)) for e in feedback)
+    assert not any(k.startswith("error_feedback") for k in shared_tensors(trainer.diloco, trainer.optimizer))
     resumed = Trainer(cfg, averager, "p", shard=0, out_dir=tmp_path)
     assert resumed.resume()
-    assert all(torch.equal(a, b) for a, b in zip(resumed.error_feedback, state["error_feedback"]))
+    assert all(torch.equal(a, b) for a, b in zip(resumed.error_feedback, feedback))
 
     off = tiny_config(diloco={"rounds": 1, "inner_steps": 2}, checkpoint={"every": 0})
     quiet = Trainer(off, ResidualAverager(), "q", shard=0, out_dir=tmp_path / "off")

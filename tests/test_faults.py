@@ -10,10 +10,14 @@ import time
 
 import pytest
 
+from swarm.config import load_config
+from swarm.net.budget import round_deadline
 from tests.conftest import ROOT
 from tests.swarm_harness import SMALL, local_swarm
 
-ROUND_TIMEOUT = 40.0  # swarm.round_timeout in SMALL
+# A round's deadline with SMALL's time-outs (matchmaking 3 s, requests 1 s, stall 5 s) for a tiny vector:
+# three attempts of 3 + 1 + 5 s (budget.round_deadline).
+ROUND_TIMEOUT = round_deadline(0, load_config(ROOT / "configs" / "tiny.yaml", SMALL).swarm)
 SLACK = 30.0  # inner steps, eval and checkpointing of one round on a loaded 2-core machine
 
 

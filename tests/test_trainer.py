@@ -102,13 +102,29 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path):
 @pytest.mark.timeout(60)
 def test_corrupt_checkpoint_is_refused_and_never_overwrites(tmp_path):
     ckpt = Checkpointer(tmp_path)
-    ckpt.save({"round": 1, "x": torch.ones(3)})
+    ckpt.save({"x": torch.ones(3), "y": torch.arange(4, dtype=torch.bfloat16)}, {"round": 1})
     good = ckpt.path.read_bytes()
-    ckpt.path.write_bytes(good[: len(good) // 2])
-    with pytest.raises(CorruptCheckpoint, match="checkpoint.pt"):
-        ckpt.load()
+    for damaged in (good[: len(good) // 2], good[:10] + bytes([good[10] ^ 1]) + good[11:],
+                    good.replace(b'"round": 1', b'"round": 7')):
+        ckpt.path.write_bytes(damaged)
+        with pytest.raises(CorruptCheckpoint, match="checkpoint.pt"):
+            ckpt.load_all()
     ckpt.path.write_bytes(good)
-    assert ckpt.load()["round"] == 1
+    tensors, meta = ckpt.load_all()
+    assert meta["round"] == 1 and torch.equal(tensors["x"], torch.ones(3))
+    assert torch.equal(tensors["y"], torch.arange(4, dtype=torch.bfloat16))
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_anything_is_written(tmp_path):
+    cfg = tiny_config(diloco={"rounds": 1, "inner_steps": 2})
+    big = Trainer(tiny_config(model={"hidden_size": 48}, diloco={"rounds": 1, "inner_steps": 2}), SoloAverager(),
+                  "a", shard=0, out_dir=tmp_path)
+    big.save_checkpoint()
+    small = Trainer(cfg, SoloAverager(), "b", shard=0, out_dir=tmp_path)
+    before = small.diloco.global_sha256()
+    with pytest.raises(CorruptCheckpoint, match="does not fit this model: tensor 0 is global.0"):
+        small.resume()
+    assert small.diloco.global_sha256() == before
 
 
 @pytest.mark.timeout(120)

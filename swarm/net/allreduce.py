@@ -1,303 +1,369 @@
-"""A butterfly all-reduce over hivemind P2P whose result is bit-identical on every member.
+"""A streamed butterfly all-reduce over raw libp2p streams whose result is bit-identical on every member.
 
-Members are an ordered list of peer ids, the same on every member. The flat fp32 vector is cut into
-n contiguous parts; member j owns part j.
+Members are an ordered list of peer ids, the same on every member; member j owns part j of the wire vector
+(`layout.py`). Everything moves chunk by chunk, so a member holds a few chunks at a time, never a vector:
 
-1. Reduce-scatter: every member pushes part j of its vector (encoded by the codec) and its weight to
-   member j (`{name}_push`). Member j decodes and validates each contribution (size, NaN/Inf, weight
-   finite and >= 0); a bad one is rejected with a log line naming the sender and the part fails.
-2. Member j sums the n contributions in fp32 in MEMBER ORDER, divides by the total weight, checks the
-   result is finite and encodes it ONCE.
-3. All-gather: every member (j included) fetches those same bytes (`{name}_fetch`) and decodes them,
-   so all members end with identical tensors, whatever the codec's rounding.
+1. Every member i opens one stream to every owner j != i and sends HELLO (group, weight), then its chunks
+   of part j, read straight from the model's tensors and encoded by the codec (`Kind.CHUNK`).
+2. Owner j decodes and checks each chunk as it arrives (exact length, finite; a bad one fails the part and
+   names the sender), sums chunk k of all n members in fp32 in MEMBER ORDER once all have arrived, divides
+   by the total weight, encodes the average ONCE and sends those same bytes back on every stream
+   (`Kind.RESULT`). It reads a member's chunk k only while k < (chunks every member has been sent) + WINDOW,
+   so a fast sender cannot fill its memory.
+3. Every member decodes the results into `out` (the outer step's gradient buffers) as they arrive. The
+   owner decodes its own encoded bytes too, so all members end with identical tensors whatever the codec.
+4. A member holding the whole average sends DONE on its streams. Until every groupmate is DONE (or gone),
+   and at most `stall` seconds, it keeps its group: an owner still sends its part to slow members, and any
+   member serves any part it holds to a groupmate that lost that part's owner (`_repair`): an owner that
+   died after serving some members no longer splits the group into committers and discarders.
 
-A part either has all n contributions or it fails; any failed part (timeout, dead peer, rejected input)
-makes `run()` raise `AllReduceFailed` on every member that sees it. There is no half-averaged result.
-
-A push or fetch may arrive before this member has registered the group (it is still leaving
-matchmaking). The handler then waits, for at most `timeout`, for the group to be registered: the
-sender's data stays in the P2P stream meanwhile (bounded memory), at most `MAX_PENDING_GROUPS` unknown
-groups are waited for, and a group is forgotten `timeout` seconds after it ended here.
-
-`timeout` (cfg.allreduce_timeout) bounds the whole `run()`: a peer killed mid-round makes the survivors
-fail after it instead of hanging (hivemind's own averager hangs for minutes without it).
+CPU work (reading, encoding, reducing, decoding, writing) runs in a thread pool; the event loop only moves
+bytes. A part either has all n contributions or it fails: `run()` then raises `AllReduceFailed` on every
+member that needs it, and no half-averaged `out` is ever used. Waits end: every read and write stalls out
+after `stall` s without progress (`wire.py`), a member that never shows up fails the part `stall` s after the
+last contribution arrived, and the whole run is bounded by `budget.transfer_deadline` of its bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import math
-from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
-from hivemind.p2p import P2P, P2PContext, PeerID
-from hivemind.proto import averaging_pb2, runtime_pb2
-from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+from hivemind.p2p import P2P, PeerID
 
-from swarm.errors import SwarmError
-from swarm.net.codec import Codec, CodecError
+from swarm.net.budget import transfer_deadline
+from swarm.net.codec import EXACT, CodecError
+from swarm.net.groupstate import AllReduceFailed, Contribution, GroupState, together
+from swarm.net.layout import Chunk, WireLayout, gather, scatter
+from swarm.net.wire import Channel, Kind, PeerFailed, ProtocolError, Traffic, WireError, serve
 
 logger = logging.getLogger(__name__)
 
-CHUNK_BYTES = 2**20  # p2p messages are capped at 4 MiB; parts travel as a stream of 1 MiB chunks
 MAX_PENDING_GROUPS = 16  # unknown group ids waited for at once; more are refused
-OK, FAILED = averaging_pb2.AVERAGED_PART, averaging_pb2.INTERNAL_ERROR
-
-
-class AllReduceFailed(SwarmError):
-    """One all-reduce did not produce a complete result; `reason` says which part and why."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
-@dataclass
-class AllReduceResult:
-    tensor: torch.Tensor  # the averaged flat vector, identical bytes on every member
-    _group: _Group
-
-    @property
-    def bytes_sent(self) -> int:
-        """Payload sent so far: grows after `run` returns while groupmates still fetch our part's result."""
-        return self._group.bytes_sent
-
-    @property
-    def bytes_received(self) -> int:
-        return self._group.bytes_received
-
-
-def part_bounds(numel: int, n: int) -> list[tuple[int, int]]:
-    """n contiguous [start, end) ranges covering numel elements, sizes differing by at most one."""
-    base, extra = divmod(numel, n)
-    bounds, start = [], 0
-    for j in range(n):
-        end = start + base + (1 if j < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
-
-
-class _Group:
-    """This member's view of one all-reduce: its own part's contributions and encoded result."""
-
-    def __init__(self, group_id: bytes, members: Sequence[PeerID], me: int, numel: int):
-        self.group_id, self.members, self.me = group_id, list(members), me
-        self.bounds = part_bounds(numel, len(members))
-        start, end = self.bounds[me]
-        self.part_numel = end - start
-        self.contributions: list[Optional[tuple[torch.Tensor, float]]] = [None] * len(members)
-        self.result: asyncio.Future[runtime_pb2.Tensor] = asyncio.get_running_loop().create_future()
-        self.result.add_done_callback(lambda f: f.exception())  # a failure nobody fetched is not an error
-        self.bytes_sent = self.bytes_received = 0
-        self.served: set[int] = set()  # groupmates that fetched this member's result
-
-    def settled(self) -> bool:
-        """Failed, or every groupmate has fetched our part: nobody depends on this member any more."""
-        if self.result.done() and self.result.exception() is not None:
-            return True
-        return self.served >= set(range(len(self.members))) - {self.me}
-
-    def index_of(self, peer: PeerID) -> int:
-        if peer not in self.members:
-            raise CodecError(f"{peer} is not a member of this group")
-        return self.members.index(peer)
-
-    def fail(self, reason: str) -> None:
-        if not self.result.done():
-            self.result.set_exception(AllReduceFailed(reason))
-
-    def accept(self, index: int, part: torch.Tensor, weight: float, codec: Codec) -> None:
-        """Store a validated contribution; the last one completes the part (summed in member order)."""
-        if self.contributions[index] is not None:
-            raise CodecError("sent its part twice")
-        self.contributions[index] = (part, weight)
-        if self.result.done() or any(c is None for c in self.contributions):
-            return
-        total = math.fsum(w for _, w in self.contributions)
-        if not total > 0:
-            return self.fail(f"part {self.me}: total weight is {total}, must be > 0")
-        acc = torch.zeros(self.part_numel, dtype=torch.float32)
-        for tensor, w in self.contributions:
-            acc.add_(tensor, alpha=w)
-        acc.div_(total)
-        self.contributions = [(torch.empty(0), w) for _, w in self.contributions]  # free memory, keep "done"
-        if not torch.isfinite(acc).all():
-            return self.fail(f"part {self.me}: the average is not finite")
-        self.result.set_result(codec.encode(acc))
-
-
-def _check(tensor: torch.Tensor, weight: float) -> None:
-    if not (math.isfinite(weight) and weight >= 0):
-        raise CodecError(f"weight {weight} is negative or not finite")
-    if not torch.isfinite(tensor).all():
-        raise CodecError("part contains NaN or Inf")
 
 
 class AllReduce:
-    """Runs all-reduces among groups formed elsewhere; one instance per peer, handlers under `name`."""
+    """Runs all-reduces among groups formed elsewhere; one instance per peer, stream handlers under `name`."""
 
-    def __init__(self, p2p: P2P, name: str, codec: Codec, timeout: float):
-        self.p2p, self.name, self.codec, self.timeout = p2p, name, codec, timeout
-        self.on_pushed: Optional[Callable[[], None]] = None  # fault injection: called after a part is delivered
-        self._groups: dict[bytes, asyncio.Future[_Group]] = {}
+    def __init__(self, p2p: P2P, name: str, stall: float, min_bandwidth: float,
+                 pool: concurrent.futures.Executor):
+        self.p2p, self.name, self.stall, self.min_bandwidth, self.pool = p2p, name, stall, min_bandwidth, pool
+        self.on_pushed: Optional[Callable[[], None]] = None  # fault injection: called after a part was pushed
+        self._groups: dict[bytes, asyncio.Future[GroupState]] = {}
+        self._serving: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        await self.p2p.add_protobuf_handler(f"{self.name}_push", self._rpc_push, averaging_pb2.AveragingData,
-                                            stream_input=True)
-        await self.p2p.add_protobuf_handler(f"{self.name}_fetch", self._rpc_fetch, averaging_pb2.AveragingData,
-                                            stream_output=True)
+        await serve(self.p2p, self.name, self.stall, self._serve_contributions)
+        await serve(self.p2p, f"{self.name}_repair", self.stall, self._serve_repair)
 
     async def stop(self) -> None:
-        await self.p2p.remove_protobuf_handler(f"{self.name}_push", stream_input=True)
-        await self.p2p.remove_protobuf_handler(f"{self.name}_fetch", stream_output=True)
+        for name in (self.name, f"{self.name}_repair"):
+            await self.p2p.remove_binary_stream_handler(name)
 
-    async def run(self, group_id: bytes, members: Sequence[PeerID], flat: torch.Tensor,
-                  weight: float) -> AllReduceResult:
-        """Average `flat` (1-D fp32) with weight `weight` among `members`; raise AllReduceFailed otherwise."""
+    def _cpu(self, fn, *args):
+        return asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    # ---- a member's run ---------------------------------------------------------------------------------
+
+    async def run(self, group_id: bytes, members: Sequence[PeerID], layout: WireLayout,
+                  contribution: Contribution) -> Traffic:
+        """Average `contribution` among `members` into `contribution.out`; AllReduceFailed otherwise."""
+        if not (math.isfinite(contribution.weight) and contribution.weight >= 0):
+            raise AllReduceFailed(f"our own weight {contribution.weight} is not a finite number >= 0")
         slot = self._groups.setdefault(group_id, asyncio.get_running_loop().create_future())
         if slot.done():
             raise AllReduceFailed(f"group {group_id.hex()[:8]} was already run here")
-        group = _Group(group_id, members, list(members).index(self.p2p.peer_id), flat.numel())
+        me = list(members).index(self.p2p.peer_id)
+        group = GroupState(group_id, members, me, layout, contribution)
         slot.set_result(group)
+        tasks = [asyncio.ensure_future(self._reduce_own(group))]
+        tasks += [asyncio.ensure_future(self._exchange(group, j)) for j in range(len(members)) if j != me]
+        deadline = transfer_deadline(layout.member_wire_bytes(me), self.stall, self.min_bandwidth)
+        watch = asyncio.ensure_future(group.wait_for(group.complete, None, "all-reduce"))
         try:
-            tensor = await asyncio.wait_for(self._run(group, flat, weight), self.timeout)
-            return AllReduceResult(tensor, group)
-        except TimeoutError:
-            missing = [str(m) for m, c in zip(group.members, group.contributions) if c is None]
-            raise AllReduceFailed(f"timed out after {self.timeout:g} s (swarm.allreduce_timeout); "
-                                  f"own part still missing {missing or 'nothing'}") from None
-        finally:
-            group.fail("the owner of this part gave up on the all-reduce")
-            asyncio.get_running_loop().call_later(self.timeout, self._groups.pop, group_id, None)
-
-    async def _run(self, group: _Group, flat: torch.Tensor, weight: float) -> torch.Tensor:
-        encoded = [self.codec.encode(flat[s:e]) for s, e in group.bounds]
-        own = self.codec.decode(encoded[group.me], group.part_numel)  # own share takes the same rounding
-        group.accept(group.me, own, float(weight), self.codec)
-        jobs = [self._push(group, j, encoded[j], weight) for j in range(len(group.members)) if j != group.me]
-        fetches = [asyncio.ensure_future(self._fetch(group, j)) for j in range(len(group.members))]
-        tasks = [asyncio.ensure_future(job) for job in jobs] + fetches
-        try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for task in done:
-                task.result()  # raises the first failure
-            return torch.cat([task.result() for task in fetches])
-        finally:
-            for task in tasks:
+            async with asyncio.timeout(deadline):
+                pending = {watch, *tasks}
+                while watch not in (done := (await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED))[0]):
+                    pending -= done
+                    for task in done:
+                        task.result()  # raises the first failure
+                watch.result()
+            self._linger(group, tasks)
+            return group.traffic
+        except BaseException as e:
+            if isinstance(e, TimeoutError):
+                missing = [j for j, (h, c) in enumerate(zip(group.have, group.chunks)) if h < len(c)]
+                e = AllReduceFailed(f"not done within {deadline:.0f} s (swarm.stall_timeout + "
+                                    f"{layout.member_wire_bytes(me)} bytes / swarm.min_bandwidth); parts {missing} "
+                                    f"incomplete")
+            elif isinstance(e, WireError):
+                e = AllReduceFailed(str(e))
+            await group.fail(str(e) or type(e).__name__)
+            for task in [watch, *tasks]:
                 task.cancel()
+            self._forget(group_id, e)
+            raise e from None
 
-    async def _push(self, group: _Group, j: int, msg: runtime_pb2.Tensor, weight: float) -> None:
-        peer = group.members[j]
-        chunks = list(split_for_streaming(msg, CHUNK_BYTES))
-        group.bytes_sent += sum(c.ByteSize() for c in chunks)
+    def _linger(self, group: GroupState, tasks: list[asyncio.Task]) -> None:
+        """Keep a complete group (and its `out`) for groupmates until all are settled, at most `stall` s."""
+        async def release() -> None:
+            try:
+                await group.wait_for(lambda: len(group.settled) == len(group.members), self.stall, "linger")
+            except AllReduceFailed:
+                pass  # a groupmate that neither finished nor left within stall: it has no claim on us any more
+            finally:
+                for task in tasks:
+                    task.cancel()
+                self._forget(group.group_id, AllReduceFailed("this all-reduce is over here"))
+        task = asyncio.ensure_future(release())
+        self._serving.add(task)
+        task.add_done_callback(self._serving.discard)
 
-        async def requests() -> AsyncIterator[averaging_pb2.AveragingData]:
-            for i, chunk in enumerate(chunks):
-                yield averaging_pb2.AveragingData(group_id=group.group_id if i == 0 else b"", tensor_part=chunk,
-                                                  weight=weight if i == 0 else 0.0)
+    def _encode_mine(self, group: GroupState, chunk: Chunk) -> bytes:
+        """Our elements of `chunk`, encoded; with error feedback, what the encoding dropped goes to `residual`."""
+        values = gather(group.mine.read, chunk)
+        if not torch.isfinite(values).all():
+            raise AllReduceFailed("our own pseudo-gradient is not finite: not sent")
+        codec = group.layout.codec_of(chunk)
+        payload = codec.encode(values)
+        if group.mine.residual is not None and codec.lossy:
+            scatter(group.mine.residual, chunk, values - codec.decode(payload, chunk.numel))
+        return payload
 
+    async def _exchange(self, group: GroupState, j: int) -> None:
+        """Push our chunks of part j to its owner and take its averages back; repair the part if the owner is lost."""
+        channel = None
         try:
-            reply = await self.p2p.call_protobuf_handler(peer, f"{self.name}_push", requests(),
-                                                         averaging_pb2.AveragingData)
-        except Exception as e:  # P2PHandlerError, P2PDaemonError, ConnectionError, StopAsyncIteration...
-            raise AllReduceFailed(f"part {j}: cannot send it to {peer}: {e!r}") from e
-        if reply.code != OK:
-            raise AllReduceFailed(f"part {j}: {peer} refused our contribution "
-                                  f"({averaging_pb2.MessageCode.Name(reply.code)})")
+            channel = await Channel.open(self.p2p, group.members[j], self.name, self.stall, group.traffic)
+            await channel.send_control(Kind.HELLO, {"group": group.group_id, "weight": group.weights[group.me]})
+            await together(self._push(group, j, channel), self._take_results(group, j, channel))
+        except PeerFailed as e:
+            raise AllReduceFailed(f"part {j} failed at its owner: {e}") from None
+        except WireError as e:
+            if group.failure is None:
+                logger.info(f"all-reduce: lost the owner of part {j} ({e}); asking groupmates for it")
+                await self._repair(group, j, e)
+        await group.wait_for(group.complete, None, "all-reduce")
+        if channel is not None:
+            try:
+                await channel.send(Kind.DONE)
+            except WireError:
+                pass  # the owner is gone; it needed nothing more from us
+            channel.close()
+
+    async def _push(self, group: GroupState, j: int, channel: Channel) -> None:
+        chunks = group.chunks[j]
+        ahead = self._cpu(self._encode_mine, group, chunks[0]) if chunks else None
+        for k in range(len(chunks)):
+            payload = await ahead
+            ahead = self._cpu(self._encode_mine, group, chunks[k + 1]) if k + 1 < len(chunks) else None
+            await channel.send(Kind.CHUNK, payload)
         if self.on_pushed is not None:
             self.on_pushed()
 
-    async def _fetch(self, group: _Group, j: int) -> torch.Tensor:
-        peer, (start, end) = group.members[j], group.bounds[j]
-        if j == group.me:
-            msg = await asyncio.shield(group.result)
-        else:
-            try:
-                stream = await self.p2p.iterate_protobuf_handler(
-                    peer, f"{self.name}_fetch", averaging_pb2.AveragingData(group_id=group.group_id),
-                    averaging_pb2.AveragingData)
-                replies = [reply async for reply in stream]
-            except Exception as e:  # as in _push: any transport failure fails the part
-                raise AllReduceFailed(f"part {j}: cannot fetch it from {peer}: {e!r}") from e
-            if not replies:
-                raise AllReduceFailed(f"part {j}: its owner {peer} closed the stream without an answer")
-            if any(r.code != OK for r in replies):
-                raise AllReduceFailed(f"part {j}: its owner {peer} reports it failed")
-            group.bytes_received += sum(r.tensor_part.ByteSize() for r in replies)
-            msg = combine_from_streaming(r.tensor_part for r in replies)
-        try:
-            part = self.codec.decode(msg, end - start)
-            _check(part, 1.0)
-        except CodecError as e:
-            raise AllReduceFailed(f"part {j}: bad average from {peer}: {e}") from None
-        return part
+    def _decode_into(self, out: Sequence[torch.Tensor], chunk: Chunk, codec, payload: bytearray) -> None:
+        values = codec.decode(payload, chunk.numel)
+        if not torch.isfinite(values).all():
+            raise CodecError("the average is not finite")
+        scatter(out, chunk, values)
 
-    async def _wait_group(self, group_id: bytes) -> _Group:
+    async def _take_results(self, group: GroupState, j: int, channel: Channel) -> None:
+        for chunk in group.chunks[j][group.have[j]:]:
+            codec = group.layout.codec_of(chunk)
+            payload = await channel.recv_kind(Kind.RESULT, codec.wire_bytes(chunk.numel))
+            try:
+                await self._cpu(self._decode_into, group.mine.out, chunk, codec, payload)
+            except CodecError as e:
+                raise AllReduceFailed(f"part {j}: bad average from {group.members[j]}: {e}") from None
+            group.have[j] += 1
+            await group.notify()
+
+    async def _repair(self, group: GroupState, j: int, lost: Exception) -> None:
+        """Take the rest of part j from any groupmate that holds it, in fp32; AllReduceFailed if none does."""
+        tried = []
+        for k in [k for k in range(len(group.members)) if k not in (j, group.me)]:
+            try:
+                channel = await Channel.open(self.p2p, group.members[k], f"{self.name}_repair", self.stall,
+                                             group.traffic)
+                try:
+                    await channel.send_control(Kind.HELLO, {"group": group.group_id, "part": j,
+                                                            "start": group.have[j]})
+                    for chunk in group.chunks[j][group.have[j]:]:
+                        payload = await channel.recv_kind(Kind.RESULT, EXACT.wire_bytes(chunk.numel))
+                        await self._cpu(self._decode_into, group.mine.out, chunk, EXACT, payload)
+                        group.have[j] += 1
+                    await group.notify()
+                    logger.info(f"all-reduce: part {j} repaired from {group.members[k]}")
+                    return
+                finally:
+                    channel.close()
+            except (WireError, CodecError) as e:
+                tried.append(f"{group.members[k]}: {e}")
+        raise AllReduceFailed(f"part {j}: its owner {group.members[j]} was lost ({lost}) and no groupmate "
+                              f"could send it ({'; '.join(tried) or 'nobody else in the group'})")
+
+    # ---- the owner's side -------------------------------------------------------------------------------
+
+    def _reduce(self, group: GroupState, chunk: Chunk, contributions: list[torch.Tensor], total: float):
+        codec = group.layout.codec_of(chunk)
+        acc = torch.zeros(chunk.numel, dtype=torch.float32)
+        for values, weight in zip(contributions, group.weights):
+            acc.add_(values, alpha=weight)
+        acc.div_(total)
+        if not torch.isfinite(acc).all():
+            raise AllReduceFailed(f"part {group.me}: the average is not finite")
+        payload = codec.encode(acc)
+        scatter(group.mine.out, chunk, codec.decode(payload, chunk.numel))
+        return payload
+
+    def _own_share(self, group: GroupState, chunk: Chunk) -> torch.Tensor:
+        """Our chunk of our own part, with the rounding the other members' chunks get on the wire."""
+        return group.layout.codec_of(chunk).decode(self._encode_mine(group, chunk), chunk.numel)
+
+    async def _reduce_own(self, group: GroupState) -> None:
+        for k, chunk in enumerate(group.chunks[group.me]):
+            own = await self._cpu(self._own_share, group, chunk)
+            group.pending.setdefault(k, [None] * len(group.members))[group.me] = own
+            await group.notify()
+            await group.wait_for(lambda k=k: all(c is not None for c in group.pending[k]), self.stall,
+                                 f"part {group.me}, chunk {k}: waiting for "
+                                 f"{[str(group.members[i]) for i, c in enumerate(group.pending[k]) if c is None]}")
+            total = math.fsum(group.weights)
+            if not total > 0:
+                raise AllReduceFailed(f"part {group.me}: total weight is {total}, must be > 0")
+            group.results[k] = await self._cpu(self._reduce, group, chunk, group.pending.pop(k), total)
+            group.have[group.me] += 1
+            await group.notify()
+
+    async def _serve_contributions(self, channel: Channel) -> None:
+        """One member's stream to us, the owner of our part: its chunks in, our part's averages out."""
+        hello = await channel.recv_control()
+        group = await self._wait_group(hello.get("group"), channel)
+        if group is None:
+            return
+        channel.count_into(group.traffic)
+        i = group.members.index(channel.peer) if channel.peer in group.members else None
+        weight = hello.get("weight")
+        if i is None or i == group.me or group.weights[i] is not None:
+            return await channel.fail(f"{channel.peer} is not a groupmate that may push to us")
+        if not (isinstance(weight, float) and math.isfinite(weight) and weight >= 0):
+            reason = f"part {group.me}: {channel.peer} sent weight {weight!r}, not a finite number >= 0"
+            logger.warning(f"all-reduce: rejected the contribution of {channel.peer}: bad weight {weight!r}")
+            await group.fail(reason)
+            return await channel.fail(reason)
+        group.weights[i] = weight
+        await group.notify()
+        sending = asyncio.ensure_future(self._send_results(group, i, channel))
+        try:
+            await self._take_contributions(group, i, channel)
+            await sending
+        finally:
+            sending.cancel()
+            group.delivered[i] = math.inf
+            group.settled.add(i)
+            await group.notify()
+
+    async def _take_contributions(self, group: GroupState, i: int, channel: Channel) -> None:
+        chunks = group.chunks[group.me]
+        for k, chunk in enumerate(chunks):
+            try:
+                await group.wait_for(lambda k=k: k < group.window_end(), None, "window")
+                codec = group.layout.codec_of(chunk)
+                payload = await channel.recv_kind(Kind.CHUNK, codec.wire_bytes(chunk.numel))
+                values = await self._cpu(codec.decode, payload, chunk.numel)
+                if not torch.isfinite(values).all():
+                    raise CodecError("part contains NaN or Inf")
+            except (WireError, CodecError) as e:
+                if group.failure is None:
+                    logger.warning(f"all-reduce: rejected the contribution of {channel.peer}: {e}")
+                await group.fail(f"part {group.me}: rejected the contribution of {channel.peer}: {e}")
+                return
+            except AllReduceFailed:
+                return
+            group.pending.setdefault(k, [None] * len(group.members))[i] = values
+            await group.notify()
+        try:
+            await channel.recv_kind(Kind.DONE, 0)  # a member that pushes more than its part is refused here
+        except ProtocolError as e:
+            logger.warning(f"all-reduce: {channel.peer} sent more than its part: {e}")
+        except WireError:
+            pass  # it left: it needs nothing more from us
+
+    async def _send_results(self, group: GroupState, i: int, channel: Channel) -> None:
+        chunks = group.chunks[group.me]
+        try:
+            for k in range(len(chunks)):
+                await group.wait_for(lambda k=k: group.have[group.me] > k, None, "results")
+                await channel.send(Kind.RESULT, group.results[k])
+                group.delivered[i] = k + 1
+                for done in [d for d in group.results if d < min(group.delivered)]:
+                    del group.results[done]
+                await group.notify()
+        except AllReduceFailed as e:
+            await channel.fail(str(e))
+        except WireError:
+            pass  # member i is gone or stalled; it may still take our part from a groupmate
+        finally:
+            group.delivered[i] = math.inf
+            await group.notify()
+
+    async def _serve_repair(self, channel: Channel) -> None:
+        """Send part j of a complete group's average, in fp32, to a groupmate that lost j's owner."""
+        hello = await channel.recv_control()
+        slot = self._groups.get(hello.get("group"))
+        group = slot.result() if slot is not None and slot.done() and slot.exception() is None else None
+        j, start = hello.get("part"), hello.get("start")
+        valid = (group is not None and channel.peer in group.members and isinstance(j, int)
+                 and 0 <= j < len(group.members) and isinstance(start, int) and 0 <= start <= len(group.chunks[j]))
+        if not valid:
+            return await channel.fail("no such group or part here")
+        channel.count_into(group.traffic)
+        try:
+            await group.wait_for(lambda: group.have[j] == len(group.chunks[j]), self.stall, f"part {j}")
+            for chunk in group.chunks[j][start:]:
+                values = await self._cpu(gather, group.read_out, chunk)
+                await channel.send(Kind.RESULT, values.numpy().tobytes())
+        except (AllReduceFailed, WireError) as e:
+            await channel.fail(str(e))
+
+    def _forget(self, group_id: bytes, why: AllReduceFailed) -> None:
+        """Drop a group (its tensors with it); for `stall` s more, streams naming it get `why` at once."""
+        gone = asyncio.get_running_loop().create_future()
+        gone.set_exception(why)
+        gone.exception()  # retrieved: nobody awaiting it is not an error
+        self._groups[group_id] = gone
+        asyncio.get_running_loop().call_later(self.stall, lambda: self._groups.get(group_id) is gone
+                                              and self._groups.pop(group_id))
+
+    async def _wait_group(self, group_id: object, channel: Channel) -> Optional[GroupState]:
+        """The group a stream names; a member may push before we left matchmaking, so wait up to `stall`."""
+        if not isinstance(group_id, bytes):
+            await channel.fail("malformed group id")
+            return None
         slot = self._groups.get(group_id)
         if slot is None:
             if sum(not f.done() for f in self._groups.values()) >= MAX_PENDING_GROUPS:
-                raise CodecError("too many unknown groups pending")
+                await channel.fail("too many unknown groups pending")
+                return None
             slot = self._groups[group_id] = asyncio.get_running_loop().create_future()
         try:
-            return await asyncio.wait_for(asyncio.shield(slot), self.timeout)
+            return await asyncio.wait_for(asyncio.shield(slot), self.stall)
         except TimeoutError:
             if self._groups.get(group_id) is slot and not slot.done():
                 del self._groups[group_id]
-            raise CodecError(f"group {group_id.hex()[:8]} never started here") from None
+            await channel.fail(f"group {group_id.hex()[:8]} never started here")
+        except AllReduceFailed as e:
+            await channel.fail(str(e))
+        return None
 
-    async def _rpc_push(self, stream: AsyncIterator[averaging_pb2.AveragingData],
-                        context: P2PContext) -> averaging_pb2.AveragingData:
-        sender, group = context.remote_id, None
-        try:
-            first = await anext(stream)
-            group = await self._wait_group(first.group_id)
-            index = group.index_of(sender)
-            limit = group.part_numel * self.codec.bytes_per_element + CHUNK_BYTES
-            chunks, size = [first.tensor_part], first.tensor_part.ByteSize()
-            async for message in stream:
-                chunks.append(message.tensor_part)
-                size += message.tensor_part.ByteSize()
-                if size > limit:
-                    raise CodecError(f"sent more than {limit} bytes")
-            group.bytes_received += size
-            part = self.codec.decode(combine_from_streaming(chunks), group.part_numel)
-            _check(part, first.weight)
-            group.accept(index, part, first.weight, self.codec)
-            return averaging_pb2.AveragingData(code=OK)
-        except (CodecError, StopAsyncIteration) as e:
-            logger.warning(f"all-reduce: rejected the contribution of {sender}: {e}")
-            if group is not None:
-                group.fail(f"part {group.me}: rejected the contribution of {sender}: {e}")
-            return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
-
-    async def _rpc_fetch(self, request: averaging_pb2.AveragingData,
-                         context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
-        try:
-            group = await self._wait_group(request.group_id)
-            index = group.index_of(context.remote_id)
-            msg = await asyncio.wait_for(asyncio.shield(group.result), self.timeout)
-        except (TimeoutError, CodecError, AllReduceFailed) as e:
-            logger.debug(f"all-reduce: no result for {context.remote_id}: {e!r}")
-            yield averaging_pb2.AveragingData(code=FAILED)
-            return
-        for chunk in split_for_streaming(msg, CHUNK_BYTES):
-            group.bytes_sent += chunk.ByteSize()
-            yield averaging_pb2.AveragingData(code=OK, tensor_part=chunk)
-        group.served.add(index)
-
-    async def drain(self) -> list[bytes]:
-        """Wait (at most `timeout`) until every group run here is settled; return the ids still unsettled.
-
-        A member that leaves right after its last all-reduce would otherwise take its part with it: a
-        groupmate still fetching that part fails the round that this member already committed.
-        """
-        deadline = asyncio.get_running_loop().time() + self.timeout
-        while True:
-            pending = [gid for gid, slot in self._groups.items()
-                       if slot.done() and not slot.exception() and not slot.result().settled()]
-            if not pending or asyncio.get_running_loop().time() >= deadline:
-                return pending
-            await asyncio.sleep(0.05)
+    async def drain(self) -> int:
+        """Wait until every complete group has been left by its groupmates (each at most `stall` s); return
+        how many were still held. A member leaving right after its last round still serves it meanwhile."""
+        pending = list(self._serving)
+        if pending:
+            await asyncio.wait(pending)
+        return len(pending)

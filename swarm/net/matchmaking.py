@@ -6,7 +6,7 @@ one: each member puts a random token in the tensor and in its meta, and the resu
 the gathered tokens. hivemind reports an all-reduce that missed a member as a success ("Reducer:
 received 50.0% of input tensors"): a member whose groupmate had already left matchmaking (its step timed
 out as the leader closed the group) got such a phantom group, and then waited out a whole
-allreduce_timeout for parts that never came. Now it retries at once. The real all-reduce runs in
+whole time-out for parts that never came. Now it retries at once. The real all-reduce runs in
 allreduce.py.
 
 Round tagging: the averager's group key is `{run_id}_{fingerprint}.0b{round as 32 bits}`.
@@ -27,8 +27,8 @@ Timeouts, all from SwarmConfig:
 - `min_matchmaking_time = matchmaking_time`: how long a leader waits for followers it expects but
   that do not come (a peer that died with its record still fresh);
 - `request_timeout`: a follower's wait for a leader's answer (below matchmaking_time, or leaders deadlock);
-- `allreduce_timeout` / `next_chunk_timeout`: bound hivemind's dummy all-reduce; hivemind's defaults are
-  None, with which a peer killed mid-round left survivors hanging for minutes;
+- `allreduce_timeout` (= stall_timeout) / `next_chunk_timeout`: bound hivemind's dummy all-reduce; hivemind's
+  defaults are None, with which a peer killed mid-round left survivors hanging for minutes;
 - `step(timeout=...)`: the caller's deadline for one attempt; `allow_retries=False`, retries are ours.
 """
 
@@ -111,7 +111,7 @@ class Matchmaker:
                 prefix=schema.matchmaking_prefix(cfg.run_id, fingerprint),
                 target_group_size=cfg.target_group_size, min_group_size=cfg.min_group_size,
                 min_matchmaking_time=cfg.matchmaking_time, request_timeout=cfg.request_timeout,
-                allreduce_timeout=cfg.allreduce_timeout, next_chunk_timeout=cfg.request_timeout,
+                allreduce_timeout=cfg.stall_timeout, next_chunk_timeout=cfg.request_timeout,
                 allow_state_sharing=False, client_mode=cfg.client_mode, shutdown_timeout=cfg.request_timeout,
             )
 

@@ -5,12 +5,16 @@ All keys live under the run prefix `cfg.run_id`, so several runs can share one D
 `RunSchema` to the raw DHT key `f"{run_id}_{f}"`:
 
 - `{run_id}_progress`  dictionary, subkey = peer id (base58 str), value = `ProgressRecord.dict()`;
-  expires `cfg.progress_expiration` after it was written: a peer that stops publishing is gone.
+  re-stored by the peer's heartbeat every `progress_interval`, expires `cfg.progress_expiration` after it
+  was written. Liveness is read from its `time` (`policy.py`), expiry only removes the dead.
+- `{run_id}_commits`   dictionary, subkey = peer id, value = `CommitRecord.dict()`: the last round each peer
+  committed or downloaded and its hash; kept `RUN_RECORD_EXPIRATION`, long after the peer left, so a peer
+  that comes back late knows how far the swarm got (and never trains on alone from an older round).
 - `{run_id}_run`       the run fingerprint (str, `Config.fingerprint()`): what peers must share to
   average together. The first peer writes it; later peers with a different fingerprint refuse to join.
 
 Matchmaking keys are hivemind's own (`{run_id}_{fingerprint}.0b<round bits>`, see matchmaking.py);
-P2P handler names are built by `handler_name()`.
+P2P stream names are built by `handler_name()`.
 
 Numbers use strict pydantic types: `SchemaValidator` rejects any record that needs a type conversion.
 """
@@ -18,13 +22,15 @@ Numbers use strict pydantic types: `SchemaValidator` rejects any record that nee
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Optional, Union
 
 from hivemind.dht.schema import SchemaValidator
-from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictStr, ValidationError, confloat, conint
+from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictStr, ValidationError, confloat, conint, constr
 
 RUN_RECORD_EXPIRATION = 7 * 24 * 3600.0
-"""The fingerprint outlives every peer of a run by this much; a DHT needs an expiration for everything."""
+"""The fingerprint and commit records outlive every peer of a run by this much; a DHT needs an expiration."""
+
+Sha256 = constr(regex=r"^([0-9a-f]{64})?$", strict=True)
 
 
 class ProgressRecord(BaseModel):
@@ -32,22 +38,37 @@ class ProgressRecord(BaseModel):
 
     peer_id: StrictStr
     name: StrictStr
-    round: conint(ge=0, strict=True)
+    round: conint(ge=0, strict=True)  # outer steps this peer's global parameters hold
     inner_step: conint(ge=0, strict=True)
     samples: conint(ge=0, strict=True)
     samples_per_s: confloat(ge=0.0, strict=True)
     time: StrictFloat
     serves_state: StrictBool  # True once the peer has offered a state (it can be a donor)
     ready: StrictBool = False  # True once it finished this round's inner steps and looks for a group
+    sha256: Sha256 = ""  # hash of its global parameters at `round` ("" not known yet)
+
+
+class CommitRecord(BaseModel):
+    """The last round a peer committed (or downloaded) and the hash of its global parameters then."""
+
+    name: StrictStr
+    round: conint(ge=0, strict=True)
+    sha256: Sha256
+    time: StrictFloat
 
 
 class RunSchema(BaseModel):
     progress: dict[StrictStr, Optional[ProgressRecord]]
+    commits: dict[StrictStr, Optional[CommitRecord]]
     run: StrictStr
 
 
 def progress_key(run_id: str) -> str:
     return f"{run_id}_progress"
+
+
+def commits_key(run_id: str) -> str:
+    return f"{run_id}_commits"
 
 
 def run_key(run_id: str) -> str:
@@ -65,7 +86,7 @@ def matchmaking_prefix(run_id: str, fingerprint: str) -> str:
 
 
 def handler_name(run_id: str, fingerprint: str, what: str) -> str:
-    """P2P handler name, e.g. `swarm_<run>_<fp>_push`; one namespace per run and fingerprint."""
+    """P2P stream name, e.g. `swarm_<run>_<fp>_ar`; one namespace per run and fingerprint."""
     return f"swarm_{matchmaking_prefix(run_id, fingerprint)}_{what}"
 
 
@@ -73,9 +94,9 @@ def validators(run_id: str) -> list[SchemaValidator]:
     return [SchemaValidator(RunSchema, allow_extra_keys=True, prefix=run_id)]
 
 
-def parse_progress(value: object) -> Optional[ProgressRecord]:
-    """A `ProgressRecord` from a DHT value, or None if it does not fit the schema."""
+def parse(model: type[BaseModel], value: object) -> Optional[Union[ProgressRecord, CommitRecord]]:
+    """A record of `model` from a DHT value, or None if it does not fit the schema."""
     try:
-        return ProgressRecord.parse_obj(value)
+        return model.parse_obj(value)
     except ValidationError:  # also raised for a non-dict value: a record we cannot use is no record
         return None

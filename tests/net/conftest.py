@@ -2,15 +2,18 @@
 
 import contextlib
 import json
+import math
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from swarm.config import SwarmConfig
 from swarm.net.dht import start_dht, visible_maddrs
@@ -18,8 +21,8 @@ from swarm.net.dht import start_dht, visible_maddrs
 REPO = Path(__file__).resolve().parents[2]
 PEER_SCRIPT = Path(__file__).with_name("peer_proc.py")
 
-FAST = dict(matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=5.0, round_timeout=30.0,
-            state_timeout=5.0, bootstrap_timeout=10.0, progress_expiration=30.0, target_group_size=3)
+FAST = dict(matchmaking_time=2.0, request_timeout=1.0, stall_timeout=5.0, bootstrap_timeout=10.0,
+            progress_expiration=30.0, target_group_size=3)
 
 
 def fast_cfg(**overrides) -> SwarmConfig:
@@ -38,29 +41,60 @@ def three_dhts():
             dht.shutdown()
 
 
-def run_group(dhts, vectors, weights, *, codec="none", timeout=10.0, skip=(), group_id=b"g"):
-    """One in-process all-reduce among `dhts`; members in `skip` never start it.
-    Returns (members, result or exception per started member)."""
+@dataclass
+class GroupResult:
+    tensor: torch.Tensor  # the averaged flat vector this member ended with
+    traffic: object  # wire.Traffic
+    residual: object = None
+
+
+def run_group(dhts, vectors, weights, *, codec="none", stall=10.0, skip=(), group_id=b"g", chunk_elements=None,
+              residual=False, shapes=None):
+    """One in-process all-reduce among `dhts` of flat fp32 `vectors` (one tensor each, or cut into `shapes`);
+    members in `skip` never start it. Returns (members, GroupResult or exception per started member)."""
     import asyncio
+    import concurrent.futures
 
     from swarm.net.allreduce import AllReduce
     from swarm.net.codec import get_codec
+    from swarm.net.groupstate import Contribution
+    from swarm.net.layout import CHUNK_ELEMENTS, WireLayout
+
+    shapes = shapes or [torch.Size([vectors[0].numel()])]
+
+    def split(flat):
+        return list(torch.split(flat, [math.prod(s) for s in shapes]))
 
     async def main():
         p2ps = [await dht.replicate_p2p() for dht in dhts]
-        services = [AllReduce(p2p, "unit", get_codec(codec), timeout) for p2p in p2ps]
+        pool = concurrent.futures.ThreadPoolExecutor(2)
+        services = [AllReduce(p2p, "unit", stall, 1e6, pool) for p2p in p2ps]
         for service in services:
             await service.start()
         members = [p2p.peer_id for p2p in p2ps]
+        layout = WireLayout(shapes, get_codec(codec), len(members), chunk_elements or CHUNK_ELEMENTS)
+
+        async def one(service, vector, weight):
+            out = [torch.full(s, float("nan")) for s in shapes]
+            parts = [p.reshape(s) for p, s in zip(split(vector), shapes)]
+            kept = [torch.zeros(s) for s in shapes] if residual else None
+            read = lambda i, a, b: parts[i].reshape(-1)[a:b].clone()  # noqa: E731
+            traffic = await service.run(group_id, members, layout, Contribution(read, weight, out, kept))
+            flat = lambda ts: torch.cat([t.reshape(-1) for t in ts])  # noqa: E731
+            return GroupResult(flat(out), traffic, flat(kept) if kept is not None else None)
+
         try:
-            runs = [s.run(group_id, members, v, w) for i, (s, v, w) in enumerate(zip(services, vectors, weights))
-                    if i not in skip]
-            return members, await asyncio.gather(*runs, return_exceptions=True)
+            runs = [one(s, v, w) for i, (s, v, w) in enumerate(zip(services, vectors, weights)) if i not in skip]
+            results = await asyncio.gather(*runs, return_exceptions=True)
+            for service in services:
+                await service.drain()
+            return members, results
         finally:
             for service in services:
                 await service.stop()
             for p2p in p2ps:
                 await p2p.shutdown()
+            pool.shutdown()
     return asyncio.run(main())
 
 
@@ -136,8 +170,9 @@ class Peers:
         assert proc.returncode == 0, f"{job['name']} exited with {proc.returncode}:\n{self.log(job)}"
         return torch.load(job["out"], weights_only=False)
 
-    def log(self, job: dict) -> str:
-        return (self.tmp / f"{job['name']}.log").read_text()[-4000:]
+    def log(self, job: dict, tail: int | None = 4000) -> str:
+        text = (self.tmp / f"{job['name']}.log").read_text()
+        return text if tail is None else text[-tail:]
 
     def logs(self) -> str:
         """Every peer's log tail: the message of an assertion about the group."""

@@ -3,8 +3,8 @@
 The job names the config overrides, the vector (seeded), the round and a mode:
 - "honest": average the vector;
 - "nan": a hostile peer that skips the local finiteness check and sends a NaN;
-- "victim": pushes one part only, tells the test (marker file) and waits to be SIGKILLed;
-- "slow_fetch": fetches the averaged parts 2 s late, when fast groupmates may already be leaving.
+- "victim": pushes its chunks to one owner only, tells the test (marker file) and waits to be SIGKILLed;
+- "slow_fetch": takes the averaged parts 2 s late, when fast groupmates may already be leaving.
 The result goes to `out` (torch.save); `ready` marks that the peer is up, and it starts averaging when
 the file `go` appears, so all peers of a test enter matchmaking together.
 """
@@ -18,7 +18,9 @@ from pathlib import Path
 
 import torch
 
+from swarm.averaging import Snapshot
 from swarm.config import SwarmConfig
+from swarm.diloco import PseudoGradient
 from swarm.net import allreduce
 from swarm.net.dht import start_dht
 from swarm.net.peer import SwarmAverager
@@ -29,30 +31,38 @@ def make_vector(seed: int, numel: int) -> list[torch.Tensor]:
     return [flat[: numel // 3].clone(), flat[numel // 3:].reshape(-1, 1).clone()]  # two shapes: unflatten
 
 
+def as_pseudo_gradient(tensors: list[torch.Tensor]) -> PseudoGradient:
+    """A pseudo-gradient equal to `tensors` (global = them, local = zeros)."""
+    return PseudoGradient(tensors, [torch.zeros_like(t) for t in tensors])
+
+
 def main(job: dict) -> None:
     cfg = SwarmConfig(**job["cfg"])
     dht = start_dht(cfg, fingerprint=job["fingerprint"])
     averager = SwarmAverager(cfg, dht, job["fingerprint"], job["name"])
     try:
-        if job["mode"] == "nan":
-            averager._local_ok = lambda flat, samples: True
+        if job["mode"] == "nan":  # skip our own check: the owners must refuse it
+            def encode_unchecked(self, group, chunk):
+                values = allreduce.gather(group.mine.read, chunk)
+                return group.layout.codec_of(chunk).encode(values)
+            allreduce.AllReduce._encode_mine = encode_unchecked
         if job["mode"] == "victim":
             push, pushed = allreduce.AllReduce._push, []
 
-            async def push_one_then_hang(self, group, j, msg, weight):
-                if not pushed:  # the first groupmate gets our part, the others never do
+            async def push_one_then_hang(self, group, j, channel):
+                if not pushed:  # the first owner gets our chunks, the others never do
                     pushed.append(j)
-                    return await push(self, group, j, msg, weight)
+                    return await push(self, group, j, channel)
                 Path(job["marker"]).touch()
                 await asyncio.sleep(3600)
             allreduce.AllReduce._push = push_one_then_hang
-        if job["mode"] == "slow_fetch":  # fetches the others' parts late, after they may have left
-            fetch = allreduce.AllReduce._fetch
+        if job["mode"] == "slow_fetch":  # takes the others' parts late, after they may have left
+            take = allreduce.AllReduce._take_results
 
-            async def late_fetch(self, group, j):
+            async def late_take(self, group, j, channel):
                 await asyncio.sleep(2.0)
-                return await fetch(self, group, j)
-            allreduce.AllReduce._fetch = late_fetch
+                return await take(self, group, j, channel)
+            allreduce.AllReduce._take_results = late_take
         run = averager._allreduce.run
         timings = []
 
@@ -67,14 +77,20 @@ def main(job: dict) -> None:
         grad = make_vector(job["seed"], job["numel"])
         if job["mode"] == "nan":
             grad[0][3] = float("nan")
-        averager.publish_progress(job["round"], 0, job["samples"], 1.0)
+        # serve a state (never downloaded here) so that the policy counts this peer as a donor
+        averager.offer_state(Snapshot(job["round"], job["base"], {}, {}, 0, lambda: 0))
+        averager.publish_progress(job["round"], 0, job["samples"], 1.0, sha256=job["base"])
         Path(job["ready"]).touch()
         while not os.path.exists(job["go"]):
             time.sleep(0.05)
         start = time.monotonic()
-        outcome = averager.average(job["round"], grad, job["samples"], job["base"])
-        torch.save({"outcome": outcome.__dict__, "peer_id": str(dht.peer_id), "wall_s": time.monotonic() - start, "allreduce_s": timings},
-                   job["out"])
+        out = [torch.full_like(t, float("nan")) for t in grad]
+        pseudo_grad = as_pseudo_gradient(grad)
+        if job["mode"] == "nan":
+            pseudo_grad.is_finite = lambda: True
+        outcome = averager.average(job["round"], pseudo_grad, job["samples"], out, job["base"])
+        torch.save({"outcome": outcome.__dict__, "peer_id": str(dht.peer_id), "wall_s": time.monotonic() - start,
+                    "allreduce_s": timings}, job["out"])
     finally:
         averager.close()
         dht.shutdown()

@@ -5,7 +5,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import fast_cfg
 from peer_proc import make_vector
+
+from swarm.net import budget
 
 
 def expected_mean(jobs: list[dict]) -> list[torch.Tensor]:
@@ -49,11 +52,10 @@ def test_three_peers_fp16_with_stock_hivemind_dht_bootstrap(stock_bootstrap, pee
 
 @pytest.mark.timeout(120)
 def test_peer_killed_mid_allreduce_survivors_do_not_hang(bootstrap, peers):
-    allreduce_timeout = 5.0
-    victim = peers.start("victim", bootstrap, seed=0, samples=1, numel=300_000, mode="victim",
-                         allreduce_timeout=allreduce_timeout)
-    jobs = [peers.start(f"p{i}", bootstrap, seed=i, samples=1, numel=300_000,
-                        allreduce_timeout=allreduce_timeout, round_timeout=20.0) for i in (1, 2)]
+    stall = 5.0
+    victim = peers.start("victim", bootstrap, seed=0, samples=1, numel=300_000, mode="victim", stall_timeout=stall)
+    jobs = [peers.start(f"p{i}", bootstrap, seed=i, samples=1, numel=300_000, stall_timeout=stall) for i in (1, 2)]
+    round_deadline = budget.round_deadline(2 * 4 * 300_000, fast_cfg(stall_timeout=stall))
     peers.go()
     deadline = time.monotonic() + 40
     while not Path(victim["marker"]).exists():
@@ -63,10 +65,10 @@ def test_peer_killed_mid_allreduce_survivors_do_not_hang(bootstrap, peers):
     peers.kill(victim)
     results = [peers.wait(job, 60) for job in jobs]
     outcomes = [r["outcome"] for r in results]
-    # each survivor's first all-reduce (the one with the victim) ended within allreduce_timeout + slack
+    # each survivor's first all-reduce (the one with the victim) stalled out within stall_timeout + slack
     for result in results:
-        assert result["allreduce_s"][0] <= allreduce_timeout + 2.0
-    assert time.monotonic() - killed_at < 20.0 + 10.0  # bounded by round_timeout, never a hang
+        assert result["allreduce_s"][0] <= stall + 2.0
+    assert time.monotonic() - killed_at < round_deadline + 10.0  # bounded by the round's deadline, never a hang
     done = [o for o in outcomes if o["averaged"] is not None]
     if len(done) == 2:  # the survivors retried together: identical, and exactly their mean
         check_identical_mean(peers, results, jobs, tol=1e-6)
@@ -76,16 +78,20 @@ def test_peer_killed_mid_allreduce_survivors_do_not_hang(bootstrap, peers):
     print("survivors' all-reduce attempts, s:", [r["allreduce_s"] for r in results])
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(150)
 def test_nan_sender_is_rejected_never_averaged(bootstrap, peers):
-    hostile = peers.start("hostile", bootstrap, seed=0, samples=1000, numel=50_000, mode="nan",
-                          round_timeout=4.0)
-    jobs = [peers.start(f"p{i}", bootstrap, seed=i, samples=5, numel=50_000, round_timeout=40.0) for i in (1, 2)]
+    # All three meet first (a leader waits up to 6 s for a peer the loaded machine made late). The hostile peer
+    # gives up its round after 3 x (6 + 1 + 1) s; the others retry until they average without it.
+    hostile = peers.start("hostile", bootstrap, seed=0, samples=1000, numel=50_000, mode="nan", stall_timeout=1.0,
+                          matchmaking_time=6.0)
+    jobs = [peers.start(f"p{i}", bootstrap, seed=i, samples=5, numel=50_000, stall_timeout=8.0, matchmaking_time=6.0)
+            for i in (1, 2)]
     peers.go()
-    results = [peers.wait(job, 80) for job in jobs]
+    results = [peers.wait(job, 100) for job in jobs]
     assert peers.wait(hostile, 30)["outcome"]["averaged"] is None
     check_identical_mean(peers, results, jobs, tol=1e-6)  # exactly the honest mean: the NaN never got in
-    assert "rejected the contribution of" in peers.log(jobs[0]) + peers.log(jobs[1])
+    hostile_id = peers.wait(hostile, 1)["peer_id"]
+    assert f"rejected the contribution of {hostile_id}" in peers.log(jobs[0], None) + peers.log(jobs[1], None)
 
 
 @pytest.mark.timeout(90)
@@ -93,7 +99,7 @@ def test_groupmates_on_other_global_parameters_never_average_together(bootstrap,
     """Two peers on base A, one on base B: A's average without B; B is told to take A's state."""
     # all three must meet in one group: a leader waits up to 6 s for a peer the loaded machine made late
     jobs = [peers.start(f"p{i}", bootstrap, seed=i, samples=s, numel=10_000, base=b, matchmaking_time=6.0)
-            for i, (s, b) in enumerate([(1, "A"), (3, "A"), (5, "B")])]
+            for i, (s, b) in enumerate([(1, "a" * 64), (3, "a" * 64), (5, "b" * 64)])]
     peers.go()
     results = [peers.wait(job, 60) for job in jobs]
     check_identical_mean(peers, results[:2], jobs[:2], tol=1e-6)

@@ -1,22 +1,77 @@
-"""offer_state / fetch_state between two SwarmAveragers (one process) and progress-based decisions."""
+"""State transfer between two SwarmAveragers (one process): a state streamed tensor by tensor into the
+newcomer's own tensors, refused when it does not fit or is not what the swarm committed; and the
+position decisions (behind, alone, finish) that use the DHT records."""
+
+import threading
+import time
 
 import pytest
 import torch
 from conftest import fast_cfg
+from hivemind.utils.timed_storage import get_dht_time
 
+from swarm.averaging import Intake, Snapshot
+from swarm.config import OuterConfig
+from swarm.diloco import DiLoCo, PseudoGradient
+from swarm.errors import SwarmError
+from swarm.net import schema, statesync
 from swarm.net.dht import start_dht
 from swarm.net.peer import SwarmAverager
+from swarm.net.wire import Kind
+from swarm.state import destinations, shared_tensors
+
+CFG = dict(progress_interval=0.2, stall_timeout=2.0)
 
 
-@pytest.fixture(scope="module")
-def pair(bootstrap_module):
-    cfg = fast_cfg(initial_peers=bootstrap_module)
+class Peer:
+    """A tiny model's DiLoCo state (a 4x4 linear layer, AdamW) with the averager's view of it."""
+
+    def __init__(self, averager: SwarmAverager, seed: int):
+        torch.manual_seed(seed)
+        self.averager, self.model = averager, torch.nn.Linear(4, 4)
+        self.diloco = DiLoCo(self.model, OuterConfig())
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=0.1)
+        self.step = 0
+
+    def train_rounds(self, rounds: int) -> None:
+        for _ in range(rounds):
+            self.model(torch.randn(2, 4)).sum().backward()
+            self.opt.step()
+            self.opt.zero_grad()
+            self.step += 1
+            self.diloco.outer_step(self.diloco.pseudo_gradient().tensors())
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(self.diloco.round, self.diloco.global_sha256(), {"round": self.diloco.round,
+                        "step": self.step}, shared_tensors(self.diloco, self.opt), self.diloco.version,
+                        lambda: self.diloco.version)
+
+    def intake(self) -> Intake:
+        def accept(meta):
+            self.diloco.round, self.step = meta["round"], meta["step"]
+            self.diloco.sync_local()
+        return Intake(lambda specs: destinations(self.diloco, self.opt, specs), accept)
+
+    def fetch(self):
+        """The trainer's catch-up: our state may change meanwhile (version, hash)."""
+        with self.diloco.changing():
+            return self.averager.fetch_state(self.intake(), self.diloco.round, self.diloco.global_sha256())
+
+    def publish(self) -> None:
+        self.averager.offer_state(self.snapshot())
+        self.averager.publish_progress(self.diloco.round, 0, 0, 0.0, sha256=self.diloco.global_sha256())
+
+
+@pytest.fixture
+def pair(bootstrap):
+    """A donor and a newcomer on a fresh bootstrap."""
+    cfg = fast_cfg(initial_peers=bootstrap, **CFG)
     dhts, averagers = [], []
     try:
         for name in ("donor", "newcomer"):
             dhts.append(start_dht(cfg, fingerprint="fp"))
             averagers.append(SwarmAverager(cfg, dhts[-1], "fp", name))
-        yield averagers
+        yield Peer(averagers[0], seed=0), Peer(averagers[1], seed=1)
     finally:
         for averager in averagers:
             averager.close()
@@ -24,86 +79,121 @@ def pair(bootstrap_module):
             dht.shutdown()
 
 
-@pytest.fixture(scope="module")
-def bootstrap_module():
-    dht = start_dht(fast_cfg())
-    try:
-        from swarm.net.dht import visible_maddrs
-        yield visible_maddrs(dht)
-    finally:
-        dht.shutdown()
+@pytest.mark.timeout(60)
+def test_a_newcomer_takes_the_committed_state_tensor_by_tensor(pair):
+    donor, newcomer = pair
+    newcomer.publish()
+    assert newcomer.fetch() is None
+    donor.train_rounds(3)
+    donor.publish()
+    got = newcomer.fetch()
+    assert got == 3 and newcomer.diloco.round == 3 and newcomer.step == 3
+    assert newcomer.diloco.global_sha256() == donor.diloco.global_sha256()
+    mine, theirs = shared_tensors(newcomer.diloco, newcomer.opt), shared_tensors(donor.diloco, donor.opt)
+    assert list(mine) == list(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert all(torch.equal(p, g) for p, g in zip(newcomer.diloco.params, newcomer.diloco.global_params))
 
 
-def fits(state):
-    if state["w"].shape != (4, 4):
-        raise ValueError(f"w has shape {tuple(state['w'].shape)}")
+def _download(newcomer: Peer, donor: Peer, check=lambda r, h: None) -> int:
+    """One download straight from the donor, on the newcomer's network thread."""
+    averager = newcomer.averager
+    coro = statesync.download(averager._p2p, donor.averager._p2p.peer_id, averager._state_handler, 2.0, 1e6,
+                              newcomer.intake(), check, averager._pool)
+    return averager._call(coro, 30)
 
 
 @pytest.mark.timeout(60)
-def test_state_round_trip_then_refusals(pair):
+@pytest.mark.parametrize("forgery", ["more bytes than the shape", "another shape", "another dtype",
+                                     "bytes that do not hash", "a hash nobody committed"])
+def test_a_forged_state_is_refused_naming_why(pair, monkeypatch, forgery):
     donor, newcomer = pair
-    assert newcomer.fetch_state(-1, fits) is None  # nobody offers anything yet
-    state = {"round": 3, "w": torch.randn(4, 4), "meta": {"lr": 0.5}}
-    donor.offer_state(3, state)
-    donor.publish_progress(4, 0, 0, 0.0)
-    got = newcomer.fetch_state(2, fits)
-    assert got is not None and torch.equal(got["w"], state["w"]) and got["meta"] == {"lr": 0.5}
-    assert newcomer.fetch_state(4, fits) is None  # not newer than what we have
-    donor.offer_state(3, {"round": 3, "w": torch.randn(2, 2)})  # does not fit this peer's model
-    assert newcomer.fetch_state(2, fits) is None
-    round_, blob, digest = donor._offered
-    donor._offered = (round_, blob[:-1] + bytes([blob[-1] ^ 1]), digest)  # corrupted after its checksum
-    assert newcomer.fetch_state(2, fits) is None
+    donor.train_rounds(2)
+    donor.publish()
+    serve = statesync.StateServer._serve
+
+    async def forged(self, channel):
+        if forgery == "bytes that do not hash":
+            self.snapshot.tensors["global.0"].add_(1.0)  # changed after its hash was taken
+            return await serve(self, channel)
+        await channel.recv_control()
+        specs = [[n, "float32", list(t.shape), t.numel() * 4] for n, t in self.snapshot.tensors.items()]
+        if forgery == "more bytes than the shape":
+            specs[0][3] += 4
+        if forgery == "another shape":
+            specs[0][2] = [8, 2]
+        if forgery == "another dtype":
+            specs[0][1], specs[0][3] = "bfloat16", specs[0][3] // 2
+        await channel.send_control(Kind.MANIFEST, {"round": 2, "sha256": self.snapshot.sha256, "meta": {},
+                                                   "tensors": specs})
+    monkeypatch.setattr(statesync.StateServer, "_serve", forged)
+    check = (lambda r, h: "the swarm committed another hash") if forgery == "a hash nobody committed" else None
+    with pytest.raises(statesync.StateRefused) as refused:
+        _download(newcomer, donor, check or (lambda r, h: None))
+    expected = {"more bytes than the shape": "bytes announced", "another shape": "expected global.0",
+                "another dtype": "expected global.0", "bytes that do not hash": "hash to",
+                "a hash nobody committed": "the swarm committed another hash"}[forgery]
+    assert expected in str(refused.value)
+
+
+@pytest.mark.timeout(60)
+def test_behind_with_no_donor_stops_naming_the_round_the_swarm_reached(pair):
+    """A peer that knows the swarm committed a later round never trains on alone: with no donor it raises."""
+    donor, newcomer = pair
+    donor.train_rounds(4)
+    donor.publish()
+    donor.averager._server.snapshot = None  # it stops serving, like a peer that has left
+    newcomer.publish()
+    start = time.monotonic()
+    with pytest.raises(SwarmError, match="the swarm reached round 4 .* this peer holds round 0"):
+        newcomer.fetch()
+    assert time.monotonic() - start < 5 * 0.2 + 2 * 1.0 + 2.0 + 3.0  # live window + stall_timeout + slack
 
 
 @pytest.mark.timeout(60)
 def test_alone_and_behind(pair):
     donor, newcomer = pair
-    grad = [torch.ones(3), torch.zeros(2, 2)]
-    donor.publish_progress(7, 0, 0, 0.0)
-    outcome = newcomer.average(5, grad, 10)  # the swarm is at round 7: fetch the state instead
+    grad = PseudoGradient([torch.ones(3), torch.zeros(2, 2)], [torch.zeros(3), torch.zeros(2, 2)])
+    out = [torch.empty(3), torch.empty(2, 2)]
+    donor.averager.publish_progress(7, 0, 0, 0.0, sha256="c" * 64)
+    newcomer.averager.publish_progress(5, 0, 0, 0.0, sha256="d" * 64)
+    outcome = newcomer.averager.average(5, grad, 10, out, "d" * 64)  # the swarm is at round 7: take its state
     assert outcome.averaged is None and outcome.behind, outcome.note
-    outcome = newcomer.average(9, grad, 10)  # nobody at round 9 or beyond: apply our own step
-    assert outcome.note == "alone" and all(torch.equal(a, b) for a, b in zip(outcome.averaged, grad))
-    bad = newcomer.average(9, [torch.tensor([float("nan")])], 10)
-    assert bad.averaged is None and "not finite" in bad.note
+    newcomer.averager.publish_progress(9, 0, 0, 0.0, sha256="e" * 64)
+    outcome = newcomer.averager.average(9, grad, 10, out, "e" * 64)  # nobody at round 9 or beyond: our own step
+    assert outcome.note == "alone" and all(torch.equal(a, b) for a, b in zip(outcome.averaged, grad.tensors()))
+    bad = PseudoGradient([torch.tensor([float("nan")])], [torch.zeros(1)])
+    assert "not finite" in newcomer.averager.average(9, bad, 10, [torch.empty(1)], "e" * 64).note
 
 
 @pytest.mark.timeout(60)
 def test_a_finished_peer_serves_its_state_until_peers_behind_caught_up(pair):
-    import threading
-    import time
-
     donor, newcomer = pair
-    donor.offer_state(12, {"round": 12, "w": torch.ones(4, 4)})
-    newcomer.publish_progress(10, 0, 0, 0.0)  # still training round 11
+    donor.train_rounds(3)
+    donor.publish()
+    newcomer.publish()  # at round 0, training round 1
     start = time.monotonic()
-    finisher = threading.Thread(target=donor.finish, args=(12,))
+    finisher = threading.Thread(target=donor.averager.finish, args=(3,))
     finisher.start()
-    time.sleep(3.0)  # the laggard learns it is behind only after its next matchmaking
+    time.sleep(2.0)  # the laggard learns it is behind only after its next matchmaking
     assert finisher.is_alive(), "the finished peer left while a live peer was behind"
-    got = newcomer.fetch_state(10, fits)
-    assert got is not None and torch.equal(got["w"], torch.ones(4, 4))
-    newcomer.publish_progress(12, 0, 0, 0.0)  # caught up: nobody is behind any more
+    assert newcomer.fetch() == 3
+    newcomer.publish()  # caught up: nobody is behind any more
     finisher.join(10)
-    assert not finisher.is_alive() and time.monotonic() - start < 3.0 + 5.0
+    assert not finisher.is_alive() and time.monotonic() - start < 2.0 + 5.0
     start = time.monotonic()
-    donor.finish(12)  # nobody behind: leaves at once
-    assert time.monotonic() - start < 4.0  # far below linger_time (60 s)
+    donor.averager.finish(3)  # nobody behind: leaves at once
+    assert time.monotonic() - start < 3.0  # far below linger_time (60 s)
 
-    # A peer killed at round 3: its record has not expired, but it stopped changing (no heartbeat).
-    from hivemind.utils.timed_storage import get_dht_time
-
-    from swarm.net import schema
+    # A peer killed at round 1: its record has not expired, but it stopped changing (no heartbeat).
     now, ghost = get_dht_time(), "12D3KooWGhostGhostGhostGhostGhostGhostGhostGhost1234"
-    record = schema.ProgressRecord(peer_id=ghost, name="ghost", round=3, inner_step=0, samples=0, samples_per_s=0.0,
+    record = schema.ProgressRecord(peer_id=ghost, name="ghost", round=1, inner_step=0, samples=0, samples_per_s=0.0,
                                    time=now - 60, serves_state=True, ready=False)
-    assert newcomer.dht.store(schema.progress_key("swarm-tiny"), record.dict(), subkey=ghost,
-                              expiration_time=now + 30)
-    assert "ghost" in [r.name for r in donor.peers()]
+    assert newcomer.averager.dht.store(schema.progress_key(donor.averager.cfg.run_id), record.dict(), subkey=ghost,
+                                       expiration_time=now + 30)
+    assert "ghost" in [r.name for r in donor.averager.peers()]
     start = time.monotonic()
-    donor.finish(12)
-    assert time.monotonic() - start < 4.0  # far below linger_time (60 s)
+    donor.averager.finish(3)
+    assert time.monotonic() - start < 3.0
 
 
 @pytest.mark.timeout(30)
@@ -111,9 +201,17 @@ def test_expected_group_counts_peers_not_yet_reported_at_the_round(pair):
     """A peer whose record still shows the round before may be about to average this one: a group that
     closed without it would split the round (seen with records published only when ready)."""
     donor, newcomer = pair
-    newcomer.publish_progress(5, 0, 0, 0.0)
-    assert newcomer._expected_group(5) is None  # before its first group: wait the full matchmaking_time
-    newcomer._averaged_once = True
+    newcomer.averager.publish_progress(5, 0, 0, 0.0)
     for donor_round, expected in ((5, 2), (4, 2), (3, 1)):
-        donor.publish_progress(donor_round, 0, 0, 0.0)
-        assert newcomer._expected_group(5) == expected, donor_round
+        donor.averager.publish_progress(donor_round, 0, 0, 0.0)
+        assert newcomer.averager._assess(5, "", commits=False).expected_group == expected, donor_round
+
+
+def test_state_names_and_the_intake_refuse_a_model_of_another_shape():
+    ours = DiLoCo(torch.nn.Linear(4, 4), OuterConfig())
+    theirs = DiLoCo(torch.nn.Linear(4, 3), OuterConfig())
+    opt = torch.optim.AdamW(ours.model.parameters())
+    from swarm.state import TensorSpec
+    specs = [TensorSpec.of(f"global.{i}", g) for i, g in enumerate(theirs.global_params)]
+    with pytest.raises(ValueError, match="global.0 float32 \\[3, 4\\], expected global.0 float32 \\[4, 4\\]"):
+        destinations(ours, opt, specs)

@@ -1,0 +1,103 @@
+"""One all-reduce as one member sees it (`GroupState`), and what the member puts in (`Contribution`).
+
+The state is touched only by coroutines on the network thread; `changed` wakes every waiter whenever a
+chunk arrives, a part advances or the group fails, and each waiter re-checks its own condition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+from hivemind.p2p import PeerID
+
+from swarm.errors import SwarmError
+from swarm.net.layout import WireLayout
+from swarm.net.wire import Traffic
+
+WINDOW = 2
+"""Chunks an owner reads ahead of the slowest member's results: its memory for contributions is at most
+WINDOW x members chunks, however fast a member pushes."""
+
+
+class AllReduceFailed(SwarmError):
+    """One all-reduce did not produce a complete result; the message says which part and why."""
+
+
+async def together(*steps) -> None:
+    """Run `steps` concurrently; the first failure cancels the others and is raised."""
+    tasks = [asyncio.ensure_future(step) for step in steps]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            task.result()
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+@dataclass
+class Contribution:
+    """What one member puts into an all-reduce, and where the average goes."""
+
+    read: Callable[[int, int, int], torch.Tensor]  # (tensor, start, end) -> fp32 CPU elements of its vector
+    weight: float
+    out: Sequence[torch.Tensor]  # the weighted mean is written here, in place, chunk by chunk
+    residual: Optional[Sequence[torch.Tensor]] = None  # zeroed; gets what quantization dropped from `read`
+
+
+class GroupState:
+    """This member's view of one all-reduce."""
+
+    def __init__(self, group_id: bytes, members: Sequence[PeerID], me: int, layout: WireLayout,
+                 contribution: Contribution):
+        n = len(members)
+        self.group_id, self.members, self.me, self.layout, self.mine = group_id, list(members), me, layout, contribution
+        self.chunks = [layout.chunks(j) for j in range(n)]
+        self.traffic = Traffic()
+        self.changed = asyncio.Condition()
+        self.failure: Optional[str] = None
+        # owner side: contributions to our part, and its encoded averages until every member was sent them
+        self.weights: list[Optional[float]] = [None] * n
+        self.weights[me] = float(contribution.weight)
+        self.pending: dict[int, list[Optional[torch.Tensor]]] = {}
+        self.results: dict[int, bytes] = {}
+        self.delivered = [0] * n  # result chunks sent to each member; math.inf once it needs no more
+        self.delivered[me] = math.inf
+        self.settled = {me}  # members that need nothing more from us (DONE, or gone)
+        # member side: chunks of every part written into `out`
+        self.have = [0] * n
+
+    def complete(self) -> bool:
+        return all(h == len(c) for h, c in zip(self.have, self.chunks))
+
+    def read_out(self, tensor: int, start: int, end: int) -> torch.Tensor:
+        """Elements of the average this member holds (for a groupmate's repair)."""
+        return self.mine.out[tensor].detach().view(-1)[start:end].float().cpu()
+
+    def window_end(self) -> float:
+        return min(self.delivered) + WINDOW
+
+    async def notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def wait_for(self, predicate: Callable[[], bool], stall: Optional[float], what: str) -> None:
+        """Wait until `predicate()` or a failure; AllReduceFailed naming `what` after `stall` s (None: never)
+        without it."""
+        try:
+            async with asyncio.timeout(stall):
+                async with self.changed:
+                    await self.changed.wait_for(lambda: predicate() or self.failure is not None)
+        except TimeoutError:
+            raise AllReduceFailed(f"{what}: nothing arrived for {stall:g} s (swarm.stall_timeout)") from None
+        if self.failure is not None and not predicate():
+            raise AllReduceFailed(self.failure)
+
+    async def fail(self, reason: str) -> None:
+        if self.failure is None:
+            self.failure = reason
+        await self.notify()

@@ -1,0 +1,163 @@
+"""Newcomers download a peer's state tensor by tensor, straight into their own tensors.
+
+A donor serves its latest `Snapshot` (the live tensors of its last committed round, `state.py` names) over
+one stream: a MANIFEST (round, hash of the global parameters, schedule position, and every tensor's name,
+dtype, shape and byte count), then each tensor's bytes in DATA frames of at most `DATA_BYTES`. Nothing is
+serialized into one blob on either side. The donor reads under its `DiLoCo.version` seqlock: if it commits
+again (or starts loading a state) mid-download, it stops with FAIL and the newcomer tries again. Global
+parameters and outer momentum come first, so only they must arrive within one of the donor's rounds.
+
+The receiver checks before it writes a byte: the round and hash must be what the swarm committed
+(`check`, from the DHT records, not from the donor), and every tensor must be one it expects, by name,
+dtype, shape and byte count (`Intake.destinations`). Each DATA frame may hold no more than the rest of
+its tensor, so no donor can make it buffer more than one frame; bytes are written in place on the
+receiver's own device. After the last byte the global parameters must hash to the announced hash. Any
+refusal raises `StateRefused` naming the reason; the caller then tries the next donor. A failed download
+leaves the receiver's state overwritten in part: the caller (catch-up) never trains on it, it takes
+another donor's state or stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import logging
+from typing import Callable, Optional
+
+import torch
+from hivemind.p2p import P2P, PeerID
+
+from swarm.averaging import Intake, Snapshot
+from swarm.errors import SwarmError
+from swarm.net.budget import transfer_deadline
+from swarm.net.wire import Channel, Kind, ProtocolError, serve
+from swarm.state import TensorSpec, byte_view
+
+logger = logging.getLogger(__name__)
+
+DATA_BYTES = 2**20
+MAX_DOWNLOADS = 4  # concurrent downloads one donor serves; more are told to try another donor
+
+
+class StateRefused(SwarmError):
+    """A donor's state does not fit, is not what the swarm committed, or did not arrive whole."""
+
+
+class Moved(SwarmError):
+    """The donor's state changed under a download (it committed again, or is loading a state)."""
+
+
+class StateServer:
+    def __init__(self, p2p: P2P, name: str, stall: float, pool: concurrent.futures.Executor):
+        self.p2p, self.name, self.stall, self.pool = p2p, name, stall, pool
+        self.snapshot: Optional[Snapshot] = None
+        self._busy = 0
+
+    async def start(self) -> None:
+        await serve(self.p2p, self.name, self.stall, lambda channel: self._serve(channel))
+
+    async def stop(self) -> None:
+        await self.p2p.remove_binary_stream_handler(self.name)
+
+    @staticmethod
+    def _read(snapshot: Snapshot, tensor: torch.Tensor, start: int, end: int) -> bytes:
+        if snapshot.current_version() != snapshot.version:
+            raise Moved("this peer's state changed (a new round was committed or a state is loading)")
+        data = byte_view(tensor)[start:end].cpu().numpy().tobytes()
+        if snapshot.current_version() != snapshot.version:
+            raise Moved("this peer's state changed (a new round was committed or a state is loading)")
+        return data
+
+    async def _serve(self, channel: Channel) -> None:
+        await channel.recv_control()
+        snapshot = self.snapshot
+        if snapshot is None or snapshot.current_version() != snapshot.version:
+            return await channel.fail("no state to serve right now")
+        if self._busy >= MAX_DOWNLOADS:
+            return await channel.fail(f"serving {self._busy} downloads already; try another donor")
+        self._busy += 1
+        try:
+            specs = [TensorSpec.of(name, t) for name, t in snapshot.tensors.items()]
+            await channel.send_control(Kind.MANIFEST, {
+                "round": snapshot.round, "sha256": snapshot.sha256, "meta": snapshot.meta,
+                "tensors": [[*s.to_list(), s.nbytes] for s in specs]})
+            loop = asyncio.get_running_loop()
+            for spec, tensor in zip(specs, snapshot.tensors.values()):
+                for start in range(0, spec.nbytes, DATA_BYTES):
+                    end = min(start + DATA_BYTES, spec.nbytes)
+                    data = await loop.run_in_executor(self.pool, self._read, snapshot, tensor, start, end)
+                    await channel.send(Kind.DATA, data)
+        except Moved as e:
+            await channel.fail(str(e))
+        finally:
+            self._busy -= 1
+
+
+def _manifest(value: dict) -> tuple[int, str, dict, list[TensorSpec]]:
+    """(round, sha256, meta, specs) of a donor's manifest; StateRefused if anything is malformed."""
+    round, sha, meta, entries = (value.get(k) for k in ("round", "sha256", "meta", "tensors"))
+    if not (isinstance(round, int) and round >= 0 and isinstance(sha, str) and isinstance(meta, dict)
+            and isinstance(entries, list)):
+        raise StateRefused("malformed manifest")
+    specs = []
+    for entry in entries:
+        try:
+            spec = TensorSpec.from_list(entry[:3] if isinstance(entry, list) else entry)
+            if len(entry) != 4 or entry[3] != spec.nbytes:
+                raise ValueError(f"{spec.name}: {entry[3] if len(entry) == 4 else '?'} bytes announced for "
+                                 f"{spec.dtype} {list(spec.shape)} ({spec.nbytes} bytes)")
+        except (ValueError, TypeError) as e:
+            raise StateRefused(f"manifest entry refused: {e}") from None
+        specs.append(spec)
+    return round, sha, meta, specs
+
+
+async def download(p2p: P2P, peer: PeerID, name: str, stall: float, min_bandwidth: float, intake: Intake,
+                   check: Callable[[int, str], Optional[str]], pool: concurrent.futures.Executor) -> int:
+    """Take `peer`'s state into `intake`; the round taken. `check(round, sha256)` returns why a state of that
+    round and hash must not be taken (None: take it). Raises StateRefused or a WireError."""
+    channel = await Channel.open(p2p, peer, name, stall)
+    try:
+        await channel.send_control(Kind.HELLO, {})
+        round, sha, meta, specs = _manifest(await channel.recv_control())
+        reason = check(round, sha)
+        if reason is not None:
+            raise StateRefused(f"round {round} hash {sha[:12]}: {reason}")
+        try:
+            targets = intake.destinations(specs)
+        except ValueError as e:
+            raise StateRefused(f"it does not fit this model: {e}") from None
+        total = sum(s.nbytes for s in specs)
+        digest = hashlib.sha256()
+        loop = asyncio.get_running_loop()
+
+        def write(spec: TensorSpec, start: int, payload: bytearray) -> None:
+            data = torch.frombuffer(payload, dtype=torch.uint8)
+            byte_view(targets[spec.name])[start:start + len(payload)].copy_(data)
+            if spec.name.startswith("global."):
+                digest.update(payload)
+
+        try:
+            async with asyncio.timeout(transfer_deadline(total, stall, min_bandwidth)):
+                for spec in specs:
+                    got = 0
+                    while got < spec.nbytes:
+                        payload = await channel.recv_kind(Kind.DATA, min(DATA_BYTES, spec.nbytes - got))
+                        if not payload:
+                            raise ProtocolError(f"{peer} sent an empty frame")
+                        await loop.run_in_executor(pool, write, spec, got, payload)
+                        got += len(payload)
+        except TimeoutError:
+            raise StateRefused(f"{total} bytes not done within {transfer_deadline(total, stall, min_bandwidth):.0f} s "
+                               f"(swarm.min_bandwidth)") from None
+        if digest.hexdigest() != sha:
+            raise StateRefused(f"its global parameters hash to {digest.hexdigest()[:12]}, not the announced "
+                               f"{sha[:12]}")
+        try:
+            intake.accept(meta)
+        except ValueError as e:
+            raise StateRefused(str(e)) from None
+        return round
+    finally:
+        channel.close()

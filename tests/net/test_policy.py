@@ -1,0 +1,79 @@
+"""policy.assess over tables of records: one row per situation a peer can find itself in."""
+
+import pytest
+
+from swarm.net.policy import Verdict, assess, votes, winner
+from swarm.net.schema import CommitRecord, ProgressRecord
+
+NOW, WINDOW = 1000.0, 10.0
+A, B, C = "a" * 64, "b" * 64, "c" * 64
+
+
+def progress(peer: str, round: int, sha: str = A, age: float = 1.0, ready: bool = False,
+             serves: bool = True) -> ProgressRecord:
+    return ProgressRecord(peer_id=peer, name=peer, round=round, inner_step=0, samples=0, samples_per_s=0.0,
+                          time=NOW - age, serves_state=serves, ready=ready, sha256=sha)
+
+
+def commit(round: int, sha: str = A) -> CommitRecord:
+    return CommitRecord(name="x", round=round, sha256=sha, time=NOW - 3600)
+
+
+ME = "me"
+# (situation, our round, our hash, progress records of others, commit records, verdict, donors, expected group)
+TABLE = [
+    ("alone in the swarm", 3, A, [], {}, Verdict.ALONE, (), 1),
+    ("a groupmate at our round", 3, A, [progress("p", 3)], {}, Verdict.AVERAGE, (), 2),
+    ("a groupmate still finishing the round before", 3, A, [progress("p", 2)], {}, Verdict.ALONE, (), 2),
+    ("a live peer ahead", 3, A, [progress("p", 5, B)], {}, Verdict.BEHIND, ("p",), None),
+    ("ahead peers, freshest first", 3, A, [progress("p", 4, B), progress("q", 5, C)], {}, Verdict.BEHIND,
+     ("q", "p"), None),
+    ("an ahead peer that serves no state is no donor", 3, A, [progress("p", 5, B, serves=False)], {},
+     Verdict.BEHIND, (), None),
+    ("everyone ahead has left: behind, no donor", 3, A, [], {"gone": commit(10, B)}, Verdict.BEHIND, (), None),
+    ("a dead peer's stale record ahead still counts through its commit", 3, A, [progress("p", 9, B, age=60)],
+     {"p": commit(9, B)}, Verdict.BEHIND, (), None),
+    ("a dead peer's stale record at our round is no groupmate", 3, A, [progress("p", 3, age=60)], {},
+     Verdict.ALONE, (), 1),
+    ("an ahead peer on a minority hash is no donor", 3, A, [progress("p", 5, B), progress("q", 5, C),
+                                                          progress("r", 5, C)], {}, Verdict.BEHIND, ("q", "r"), None),
+    ("most live peers at our round hold another hash", 3, A, [progress("p", 3, B), progress("q", 3, B)], {},
+     Verdict.DIVERGED, ("p", "q"), 3),
+    ("we are the majority", 3, A, [progress("p", 3, A), progress("q", 3, B)], {}, Verdict.AVERAGE, (), 3),
+    ("a tie goes to the larger hash (theirs)", 3, A, [progress("p", 3, B)], {}, Verdict.DIVERGED, ("p",), 2),
+    ("a tie goes to the larger hash (ours)", 3, B, [progress("p", 3, A)], {}, Verdict.ALONE, (), 2),
+    ("commits of rounds we passed do not matter", 3, A, [progress("p", 3)], {"old": commit(2, C)},
+     Verdict.AVERAGE, (), 2),
+]
+
+
+@pytest.mark.parametrize("situation,round,sha,others,commits,verdict,donors,expected", TABLE,
+                         ids=[row[0] for row in TABLE])
+def test_assess(situation, round, sha, others, commits, verdict, donors, expected):
+    position = assess(ME, round, sha, [progress(ME, round, sha), *others], commits, NOW, WINDOW)
+    assert position.verdict == verdict, position.note
+    assert position.donors == donors
+    assert position.expected_group == expected
+
+
+def test_a_read_that_misses_our_own_record_decides_nothing():
+    position = assess(ME, 3, A, [progress("p", 9, B)], {}, NOW, WINDOW)
+    assert position.verdict == Verdict.UNSURE and position.expected_group is None
+
+
+def test_others_ready_only_counts_live_groupmates_on_our_hash():
+    me = progress(ME, 3)
+    assert assess(ME, 3, A, [me, progress("p", 3, ready=True)], {}, NOW, WINDOW).others_ready
+    assert not assess(ME, 3, A, [me, progress("p", 3, ready=True, age=60)], {}, NOW, WINDOW).others_ready
+    assert not assess(ME, 3, A, [me, progress("p", 2, ready=True)], {}, NOW, WINDOW).others_ready
+    assert not assess(ME, 3, A, [me, progress("p", 3, A), progress("q", 3, B, ready=True)], {}, NOW,
+                      WINDOW).others_ready
+
+
+def test_the_swarm_round_and_its_hash_come_from_live_records_and_commits():
+    me = progress(ME, 3)
+    position = assess(ME, 3, A, [me, progress("p", 4, B)], {"x": commit(6, C), "y": commit(6, C)}, NOW, WINDOW)
+    assert position.swarm_round == 6 and position.swarm_sha256 == C
+    tally = votes([progress("p", 4, B), progress("q", 4, C, age=60)], {"q": commit(4, C), "r": commit(4, C)},
+                  NOW, WINDOW)
+    assert winner(tally[4]) == C  # one vote per peer: p live (B); q and r by their commits (C, C)
