@@ -99,7 +99,7 @@ class Averager(ABC):
         model went bad). Returns the round taken, None if there was nothing to take; SwarmError if there
         was but no peer could give it: a peer never trains on from a state the swarm has left behind."""
         if must:
-            raise SwarmError(f"no peer to take a state from at round {round} (this peer runs without a swarm)")
+            raise SwarmError("there is no peer to take a state from (this peer runs without a swarm)")
         return None
 
     def finish(self, round: int) -> None:

@@ -159,6 +159,7 @@ class FaultsConfig:
     kill_round: Optional[int] = None  # die while working towards this round (1-based outer step)
     kill_phase: Literal["inner", "allreduce"] = "inner"  # mid inner steps, or inside the all-reduce
     step_delay: float = 0.0  # extra seconds per inner step: a slow peer (straggler)
+    nan_round: Optional[int] = None  # this peer's local model turns NaN halfway through this round (1-based)
 
 
 @dataclass

@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 import torch
 
 from swarm.config import OuterConfig
+from swarm.tensors import all_finite
 
 
 class PseudoGradient:
@@ -52,9 +53,8 @@ class PseudoGradient:
         """The whole pseudo-gradient, materialized (for in-memory averagers, tests and tensor dumps)."""
         return [self.read(i, 0, g.numel()).view(g.shape) for i, g in enumerate(self.global_params)]
 
-    @torch.no_grad()
     def is_finite(self) -> bool:
-        return all(bool(torch.isfinite(t.detach()).all()) for t in [*self.global_params, *self.local_params])
+        return all(all_finite(t) for t in [*self.global_params, *self.local_params])
 
 
 class DiLoCo:

@@ -23,6 +23,7 @@ from typing import Iterable
 import torch
 
 from swarm.diloco import DiLoCo
+from swarm.tensors import dtype_of
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
@@ -54,20 +55,6 @@ class TensorSpec:
         return cls(item[0], item[1], tuple(item[2]))
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
-
-
-def dtype_of(name: str) -> torch.dtype:
-    if name not in _DTYPES:
-        raise ValueError(f"dtype {name!r} is not one a state may hold")
-    return _DTYPES[name]
-
-
-def byte_view(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as a flat uint8 view (any device), for writing received bytes in place."""
-    return t.detach().reshape(-1).view(torch.uint8)
-
-
 def shared_tensors(diloco: DiLoCo, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """The live tensors of the shared state, by name, in order (no copies)."""
     out = {f"global.{i}": g for i, g in enumerate(diloco.global_params)}
@@ -79,6 +66,14 @@ def shared_tensors(diloco: DiLoCo, optimizer: torch.optim.Optimizer) -> dict[str
         for i, s in enumerate(states):
             out.update({f"adam.{i}.{k}": s[k] for k in ADAM_KEYS})
     return out
+
+
+def canonical(name: str) -> tuple:
+    """Sort key putting names in the order above (checkpoint-only names last)."""
+    kind, _, rest = name.partition(".")
+    index, _, key = rest.partition(".")
+    order = {"global": 0, "momentum": 1, "adam": 2}.get(kind, 3)
+    return (order, kind, int(index) if index.isdigit() else -1, ADAM_KEYS.index(key) if key in ADAM_KEYS else 0)
 
 
 def _expected(diloco: DiLoCo, momentum: bool, adam: bool) -> list[TensorSpec]:

@@ -27,8 +27,10 @@ from swarm.checkpoint import Checkpointer, CorruptCheckpoint
 from swarm.config import Config, InnerConfig
 from swarm.data import TrainBatches, load_corpus
 from swarm.diloco import DiLoCo, PseudoGradient
+from swarm.errors import SwarmError
 from swarm.model import build_model, count_parameters
-from swarm.state import TensorSpec, dtype_of
+from swarm.state import TensorSpec
+from swarm.tensors import dtype_of
 
 log = logging.getLogger("swarm.trainer")
 
@@ -136,16 +138,27 @@ class Trainer:
             self.diloco.sync_local()
         return Intake(lambda specs: peer_state.destinations(self.diloco, self.optimizer, specs), accept)
 
-    def save_checkpoint(self) -> None:
-        if self.checkpointer is None:
-            return
-        tensors = dict(peer_state.shared_tensors(self.diloco, self.optimizer))
+    def _checkpoint_parts(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
+        """(tensors the next inner step changes, the rest, meta) of this peer's checkpoint."""
+        shared = peer_state.shared_tensors(self.diloco, self.optimizer)
+        inner = {k: t for k, t in shared.items() if k.startswith("adam.")}
+        rest = {k: t for k, t in shared.items() if k not in inner}
         for i, e in enumerate(self.error_feedback or []):
-            tensors[f"error_feedback.{i}"] = e
-        tensors["rng"] = torch.get_rng_state()
+            rest[f"error_feedback.{i}"] = e
+        rest["rng"] = torch.get_rng_state()
         meta = {"round": self.diloco.round, "step": self.step, "samples_since_commit": self.samples_since_commit,
                 "history": _history_to_dict(self.history)}
-        self.checkpointer.save(tensors, meta)
+        return inner, rest, meta
+
+    def save_checkpoint(self) -> None:
+        if self.checkpointer is not None:
+            inner, rest, meta = self._checkpoint_parts()
+            self.checkpointer.save({**inner, **rest}, meta)
+
+    def _settle_checkpoint(self) -> None:
+        """Before the global parameters or outer momentum change: the checkpoint being written still reads them."""
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
 
     def resume(self) -> bool:
         """Restore from this peer's checkpoint (if any and enabled); True if restored."""
@@ -154,6 +167,7 @@ class Trainer:
         extras: dict[str, torch.Tensor] = {}
 
         def destinations(specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
+            specs = sorted(specs, key=lambda s: peer_state.canonical(s.name))  # written moments first
             shared = [s for s in specs if not s.name.startswith(("error_feedback.", "rng"))]
             extras.update({s.name: torch.empty(s.shape, dtype=dtype_of(s.dtype)) for s in specs if s not in shared})
             return {**peer_state.destinations(self.diloco, self.optimizer, shared), **extras}
@@ -173,6 +187,7 @@ class Trainer:
     def catch_up(self, donors: Optional[list[str]] = None, must: bool = False) -> bool:
         """Take the swarm's state if it is ahead of ours (from `donors` if given; any state with `must`)."""
         before, sha = self.diloco.round, self.diloco.global_sha256()
+        self._settle_checkpoint()
         with self.diloco.changing():
             got = self.averager.fetch_state(self.intake(), before, sha, donors, must)
         if got is not None:
@@ -215,6 +230,9 @@ class Trainer:
             # H inner steps: plain PyTorch on this peer's shard. A straggler stops early once a faster peer
             # waits to average, and contributes the steps it has (the average is weighted by samples).
             start, losses, last_report = time.perf_counter(), [], 0.0
+            if self.checkpointer is not None:
+                self.checkpointer.wait_begun()  # it may still write the last round's AdamW moments: overhead
+            inner_start = time.perf_counter()
             for i in range(cfg.inner_steps):
                 self._inject_faults(i)
                 losses.append(self.inner_step())
@@ -222,30 +240,34 @@ class Trainer:
                     progress(self.diloco.round, i + 1, losses[-1])
                 if time.perf_counter() - last_report >= self.cfg.swarm.progress_interval:
                     last_report = time.perf_counter()
-                    self._publish_progress(start, len(losses))
+                    self._publish_progress(inner_start, len(losses))
                     if i + 1 < cfg.inner_steps and self.averager.others_ready(self.diloco.round):
                         log.info("round %d: peers wait to average; contributing %d of %d inner steps",
                                  self.diloco.round + 1, i + 1, cfg.inner_steps)
                         self._inject_faults(i + 1, stopping_early=True)
                         break
-            compute_s = time.perf_counter() - start
+            compute_s = time.perf_counter() - inner_start
             pseudo_grad = self.diloco.pseudo_gradient(self.error_feedback)
             if not (all(map(math.isfinite, losses)) and pseudo_grad.is_finite()):
                 self._recover_from_non_finite(losses)
                 continue
 
             # The outer step: average the pseudo-gradients, then commit or discard the round.
-            self._publish_progress(start, len(losses), ready=True)
+            self._publish_progress(inner_start, len(losses), ready=True)
             samples = self.samples_since_commit
             dump = self._dump_inputs(pseudo_grad, samples) if self.cfg.logging.dump_tensors else None
+            checkpoint = self.checkpointer is not None and (self.diloco.round + 1) % self.cfg.checkpoint.every == 0
+            if checkpoint:  # the AdamW moments go to disk while the round averages
+                self.checkpointer.begin(self._checkpoint_parts()[0])
             outcome = self.averager.average(self.diloco.round, pseudo_grad, samples, self.diloco.outer_grads(),
                                             self.diloco.global_sha256())
             record = self._close_round(outcome, sum(losses) / len(losses), compute_s,
-                                       tokens_per_step * len(losses) / compute_s, start)
+                                       tokens_per_step * len(losses) / compute_s, start, checkpoint)
             if dump is not None:
                 self._dump(record, *dump)
             if self.on_round is not None:
                 self.on_round(record)
+        self._settle_checkpoint()
         return self.history
 
     def _recover_from_non_finite(self, losses: list[float]) -> None:
@@ -255,7 +277,10 @@ class Trainer:
         self.averager.publish_progress(self.diloco.round, self.step, 0, 0.0, ready=False,
                                        sha256=self.diloco.global_sha256())
         self.history.events.append({"event": "non_finite_model", "time": time.time(), "round": self.diloco.round})
-        self.catch_up(must=True)
+        try:
+            self.catch_up(must=True)
+        except SwarmError as e:
+            raise SwarmError(f"round {self.diloco.round + 1}: the local model is not finite and {e}") from e
         self.samples_since_commit = 0
 
     def _publish_progress(self, start: float, steps: int, ready: bool = False) -> None:
@@ -264,20 +289,28 @@ class Trainer:
                                        self.diloco.global_sha256())
 
     def _inject_faults(self, inner_step: int, stopping_early: bool = False) -> None:
-        """`faults` config: sleep like a slow peer, or SIGKILL this process halfway through a round (or where
-        it cuts that round short, if that comes first)."""
+        """`faults` config: sleep like a slow peer, SIGKILL this process or turn its local model NaN halfway
+        through a round (or where it cuts that round short, if that comes first)."""
         faults = self.cfg.faults
         if faults.step_delay > 0 and not stopping_early:
             time.sleep(faults.step_delay)
-        if (faults.kill_phase == "inner" and faults.kill_round == self.diloco.round + 1
-                and (inner_step == self.cfg.diloco.inner_steps // 2 or stopping_early)):
+        halfway = inner_step == self.cfg.diloco.inner_steps // 2 or stopping_early
+        if faults.kill_phase == "inner" and faults.kill_round == self.diloco.round + 1 and halfway:
             log.warning("fault injection: killing this peer (SIGKILL) in round %d", self.diloco.round + 1)
             os.kill(os.getpid(), signal.SIGKILL)
+        if faults.nan_round == self.diloco.round + 1 and halfway and not any(
+                e["event"] == "non_finite_model" for e in self.history.events):  # once
+            log.warning("fault injection: the local model turns NaN in round %d", self.diloco.round + 1)
+            with torch.no_grad():
+                self.diloco.params[0].fill_(float("nan"))
 
     def _close_round(self, outcome: RoundOutcome, train_loss: float, compute_s: float, tokens_per_s: float,
-                     start: float) -> RoundRecord:
+                     start: float, checkpoint: bool) -> RoundRecord:
         committed = outcome.averaged is not None
+        if checkpoint and not committed:
+            self.checkpointer.abort()
         if committed:
+            self._settle_checkpoint()
             self.diloco.outer_step(outcome.averaged)
             self.samples_since_commit = 0
             self.error_feedback = outcome.residual if self.cfg.swarm.error_feedback else None
@@ -299,8 +332,9 @@ class Trainer:
             tokens_per_s=tokens_per_s, note=outcome.note, time=time.time(),
         )
         self.history.rounds.append(record)
-        if committed and self.checkpointer is not None and self.diloco.round % self.cfg.checkpoint.every == 0:
-            self.save_checkpoint()
+        if checkpoint and committed:  # the rest goes to disk while the next round's inner steps run
+            _, rest, meta = self._checkpoint_parts()
+            self.checkpointer.commit(rest, meta)
         if committed:
             self.averager.offer_state(self.snapshot())
         record.overhead_s = max(0.0, time.perf_counter() - start - compute_s - outcome.comm_s)

@@ -35,6 +35,14 @@ def assert_rounds_agree(summaries: list[dict], rounds: int) -> None:
     assert len({p["final_global_sha256"] for p in summaries}) == 1
 
 
+def two_peers(swarm, rounds: int, *b_faults: str):
+    """Peers a (shard 0) and b (shard 1, with `b_faults` overrides) of one group of 2; returns (a, b, args)."""
+    args = ["--diloco.rounds", str(rounds), "--diloco.inner_steps", "6", "--swarm.target_group_size", "2"]
+    swarm.start_bootstrap()
+    a = swarm.start_peer("a", *args, "--data.shard", "0")
+    return a, swarm.start_peer("b", *args, "--data.shard", "1", *b_faults), args
+
+
 def read_status(child) -> dict:
     try:
         return json.loads((child.out_dir / "status.json").read_text())
@@ -67,10 +75,7 @@ def test_local_swarm_kill_inside_allreduce_and_join(tmp_path):
 @pytest.mark.parametrize("checkpoint", ["intact", "corrupt"])
 def test_crash_and_restart_resumes_and_catches_up(tmp_path, checkpoint):
     with local_swarm(tmp_path) as swarm:
-        swarm.start_bootstrap()
-        args = ["--diloco.rounds", "5", "--diloco.inner_steps", "6", "--swarm.target_group_size", "2"]
-        a = swarm.start_peer("a", *args, "--data.shard", "0")
-        b = swarm.start_peer("b", *args, "--data.shard", "1", "--faults.kill_round", "3")
+        a, b, args = two_peers(swarm, 5, "--faults.kill_round", "3")
         b.proc.wait(timeout=200)
         assert b.proc.returncode == -signal.SIGKILL
         saved = tmp_path / "b" / "checkpoint" / "checkpoint.pt"
@@ -149,3 +154,51 @@ def test_full_swarm_restart_continues_from_the_last_round(tmp_path):
     assert all(p["rounds_completed"] == 4 for p in after)
     assert after[0]["round_hashes"][:2] == before[0]["round_hashes"]
     assert_rounds_agree(after, 4)
+
+
+@pytest.mark.timeout(300)
+def test_a_peer_restarted_after_the_swarm_finished_stops_instead_of_forking(tmp_path):
+    """Killed in round 2, restarted on its folder once the others finished round 4: its checkpoint holds round
+    1, the swarm's commit records say round 4, nobody serves it any more. It must exit 1 naming the round,
+    never train rounds 2-4 alone and exit 0 on a hash the swarm did not commit."""
+    with local_swarm(tmp_path) as swarm:
+        a, b, args = two_peers(swarm, 4, "--faults.kill_round", "2")
+        swarm.wait([a, b], timeout=240)
+        assert b.proc.returncode == -signal.SIGKILL and a.proc.returncode == 0, swarm.log(a)[-3000:]
+        assert swarm.summary(a)["rounds_completed"] == 4
+        start = time.monotonic()
+        b2 = swarm.start_peer("b", *args, "--data.shard", "1")  # same folder: resumes at round 1
+        swarm.wait([b2], timeout=120)
+        log = swarm.log(b2)
+    assert b2.proc.returncode == 1, log[-3000:]
+    assert "resumed from" in log
+    last = log.strip().splitlines()[-1]
+    assert last.startswith("swarm: error: the swarm reached round 4") and "this peer holds round 1" in last, last
+    assert "round 2 committed" not in log  # it never trained on alone
+    # bounded: the live window (5 x 1 s + 2 x 1 s) and stall_timeout (5 s) after start-up, plus slack
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.timeout(300)
+def test_a_peer_whose_model_goes_nan_takes_the_swarm_s_state(tmp_path):
+    """b's local model turns NaN in round 2: it stops announcing readiness, takes a's state of round 1 and
+    trains on; both end on one hash, and no round ever averaged a NaN."""
+    with local_swarm(tmp_path) as swarm:
+        a, b, _ = two_peers(swarm, 4, "--faults.nan_round", "2")
+        swarm.wait([a, b], timeout=240)
+        assert a.proc.returncode == 0 and b.proc.returncode == 0, swarm.log(b)[-3000:]
+        log = swarm.log(b)
+        summaries = [swarm.summary(a), swarm.summary(b)]
+    assert "the local model is not finite" in log and "caught up from round 1" in log
+    assert [e["event"] for e in summaries[1]["events"]].count("non_finite_model") == 1
+    assert_rounds_agree(summaries, 4)
+
+
+def test_a_solo_peer_whose_model_goes_nan_stops_with_one_line(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "swarm.cli", "peer", "--config", "configs/tiny.yaml", "--solo",
+                             "--out", str(tmp_path), *SMALL, "--diloco.rounds", "2", "--diloco.inner_steps", "4",
+                             "--faults.nan_round", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == ("swarm: error: round 2: the local model is not finite and "
+                                                      "there is no peer to take a state from (this peer runs "
+                                                      "without a swarm)")

@@ -40,6 +40,7 @@ from swarm.net.codec import EXACT, CodecError
 from swarm.net.groupstate import AllReduceFailed, Contribution, GroupState, together
 from swarm.net.layout import Chunk, WireLayout, gather, scatter
 from swarm.net.wire import Channel, Kind, PeerFailed, ProtocolError, Traffic, WireError, serve
+from swarm.tensors import all_finite
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ class AllReduce:
     def _encode_mine(self, group: GroupState, chunk: Chunk) -> bytes:
         """Our elements of `chunk`, encoded; with error feedback, what the encoding dropped goes to `residual`."""
         values = gather(group.mine.read, chunk)
-        if not torch.isfinite(values).all():
+        if not all_finite(values):
             raise AllReduceFailed("our own pseudo-gradient is not finite: not sent")
         codec = group.layout.codec_of(chunk)
         payload = codec.encode(values)
@@ -167,7 +168,7 @@ class AllReduce:
 
     def _decode_into(self, out: Sequence[torch.Tensor], chunk: Chunk, codec, payload: bytearray) -> None:
         values = codec.decode(payload, chunk.numel)
-        if not torch.isfinite(values).all():
+        if not all_finite(values):
             raise CodecError("the average is not finite")
         scatter(out, chunk, values)
 
@@ -214,7 +215,7 @@ class AllReduce:
         for values, weight in zip(contributions, group.weights):
             acc.add_(values, alpha=weight)
         acc.div_(total)
-        if not torch.isfinite(acc).all():
+        if not all_finite(acc):
             raise AllReduceFailed(f"part {group.me}: the average is not finite")
         payload = codec.encode(acc)
         scatter(group.mine.out, chunk, codec.decode(payload, chunk.numel))
@@ -275,7 +276,7 @@ class AllReduce:
                 codec = group.layout.codec_of(chunk)
                 payload = await channel.recv_kind(Kind.CHUNK, codec.wire_bytes(chunk.numel))
                 values = await self._cpu(codec.decode, payload, chunk.numel)
-                if not torch.isfinite(values).all():
+                if not all_finite(values):
                     raise CodecError("part contains NaN or Inf")
             except (WireError, CodecError) as e:
                 if group.failure is None:

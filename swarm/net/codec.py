@@ -42,6 +42,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from swarm.errors import SwarmError
+from swarm.tensors import all_finite
 
 FP32_BELOW = 8192
 """Tensors with fewer elements (norms, biases, scalars) are never quantized: they are a tiny share of
@@ -148,6 +149,8 @@ class _BlockCodec(Codec):
 
     def _mark_non_finite(self, t: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """NaN scale for every block holding NaN/Inf, so that receivers refuse it (never a silent value)."""
+        if all_finite(t):
+            return scales
         bad = ~torch.isfinite(t)
         if bad.any():
             scales = scales.clone()

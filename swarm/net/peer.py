@@ -153,6 +153,7 @@ class SwarmAverager(Averager):
                     return RoundOutcome(out, total_samples=samples, comm_s=time.monotonic() - start, note="alone")
                 logger.info(f"round {round + 1}: {reason}; retrying")
                 continue
+            logger.debug(f"round {round + 1}: a group of {len(group.members)} after {time.monotonic() - start:.2f} s")
             layout = WireLayout(pseudo_grad.shapes, self._codec, len(group.members))
             if residual is not None:
                 for r in residual:

@@ -32,7 +32,8 @@ from swarm.averaging import Intake, Snapshot
 from swarm.errors import SwarmError
 from swarm.net.budget import transfer_deadline
 from swarm.net.wire import Channel, Kind, ProtocolError, serve
-from swarm.state import TensorSpec, byte_view
+from swarm.state import TensorSpec
+from swarm.tensors import byte_view
 
 logger = logging.getLogger(__name__)
 
