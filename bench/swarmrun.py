@@ -39,10 +39,11 @@ def netns_available() -> tuple[bool, str]:
 
 
 class Namespaces:
-    """`n` namespaces on one bridge, each link shaped to `rate` (tc syntax, e.g. '20mbit')."""
+    """`n` namespaces on one bridge, each link shaped to `rate` (tc syntax, e.g. '20mbit'); `latency`: how long a
+    packet may wait in tbf's queue before it is dropped."""
 
-    def __init__(self, n: int, rate: str):
-        self.tag, self.n, self.rate = f"swb-{os.getpid()}", n, rate
+    def __init__(self, n: int, rate: str, latency: str = "100ms"):
+        self.tag, self.n, self.rate, self.latency = f"swb-{os.getpid()}", n, rate, latency
         self.subnet = f"10.233.{os.getpid() % 250}"
         self.names: list[str] = []
 
@@ -51,6 +52,14 @@ class Namespaces:
 
     def addr(self, i: int) -> str:
         return f"{self.subnet}.{i + 1}"
+
+    def device(self, i: int) -> str:
+        """Namespace i's end of its link."""
+        return f"swb{os.getpid()}a{i}"
+
+    def set_link(self, i: int, up: bool) -> None:
+        """Take namespace i's link down (nothing crosses it, every connection over it stalls) or back up."""
+        sh("ip", "-n", self.ns(i), "link", "set", self.device(i), "up" if up else "down")
 
     def __enter__(self) -> Namespaces:
         hub = f"{self.tag}-hub"
@@ -62,7 +71,7 @@ class Namespaces:
             rate_bits = float(self.rate.rstrip("mbit")) * 1e6
             burst = str(max(32_000, int(rate_bits / 8 / 100)))  # 10 ms of traffic, at least 32 kB
             for i in range(self.n):
-                ns, inner, outer = self.ns(i), f"swb{os.getpid()}a{i}", f"swb{os.getpid()}b{i}"
+                ns, inner, outer = self.ns(i), self.device(i), f"swb{os.getpid()}b{i}"
                 sh("ip", "netns", "add", ns)
                 self.names.append(ns)
                 sh("ip", "link", "add", inner, "netns", ns, "type", "veth", "peer", "name", outer, "netns", hub)
@@ -73,7 +82,7 @@ class Namespaces:
                 sh("ip", "-n", hub, "link", "set", outer, "up")
                 for where, dev in ((ns, inner), (hub, outer)):  # both directions of the link
                     sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate",
-                       self.rate, "burst", burst, "latency", "100ms")
+                       self.rate, "burst", burst, "latency", self.latency)
         except BaseException:
             self.__exit__(None, None, None)
             raise

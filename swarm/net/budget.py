@@ -19,11 +19,23 @@ So both fit by construction on any link at or above the floor; a dead peer is st
 
 from __future__ import annotations
 
+import math
+
 from swarm.config import SwarmConfig
+from swarm.net.layout import CHUNK_ELEMENTS
 
 ROUND_ATTEMPTS = 3
 """A round's deadline fits this many matchmakings and full all-reduces: the first try and two retries with the
 survivors of a failure."""
+
+
+def chunk_elements(stall: float, min_bandwidth: float) -> int:
+    """Elements per all-reduce chunk: 2^18 (1 MiB of fp32), fewer when one chunk would take more than an
+    eighth of `stall` s at `min_bandwidth`. An owner answers chunk k only once every member's chunk k arrived,
+    so a member may hear nothing for a few chunks' time on a slow link; this keeps that well inside `stall`.
+    A power of two, at least 2^10, so always a whole number of every codec's blocks."""
+    fits = min_bandwidth * stall / 8 / 4
+    return max(2**10, min(CHUNK_ELEMENTS, 2 ** int(math.log2(max(fits, 1)))))
 
 
 def transfer_deadline(nbytes: int, stall: float, min_bandwidth: float) -> float:

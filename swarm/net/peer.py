@@ -42,7 +42,7 @@ from swarm.diloco import PseudoGradient
 from swarm.errors import SwarmError
 from swarm.net import policy, schema
 from swarm.net.allreduce import AllReduce
-from swarm.net.budget import round_deadline, transfer_deadline
+from swarm.net.budget import chunk_elements, round_deadline, transfer_deadline
 from swarm.net.codec import get_codec
 from swarm.net.groupstate import AllReduceFailed, Contribution
 from swarm.net.layout import WireLayout
@@ -154,7 +154,8 @@ class SwarmAverager(Averager):
                 logger.info(f"round {round + 1}: {reason}; retrying")
                 continue
             logger.debug(f"round {round + 1}: a group of {len(group.members)} after {time.monotonic() - start:.2f} s")
-            layout = WireLayout(pseudo_grad.shapes, self._codec, len(group.members))
+            layout = WireLayout(pseudo_grad.shapes, self._codec, len(group.members),
+                                chunk_elements(self.cfg.stall_timeout, self.cfg.min_bandwidth))
             if residual is not None:
                 for r in residual:
                     r.zero_()
