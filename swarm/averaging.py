@@ -33,12 +33,23 @@ class RoundOutcome:
     bytes_sent: int = 0  # payload on the wire until average() returned: a groupmate that fetches our
     bytes_received: int = 0  # part later (while we train on) is served but not counted
     comm_s: float = 0.0  # time in matchmaking and all-reduce
+    allreduce_s: float = 0.0  # of which in the all-reduce that produced `averaged`
     behind: bool = False  # the swarm has moved past this round (or holds other parameters): take its state
     donors: list[str] = field(default_factory=list)  # with `behind`: peer ids whose state to take
     note: str = ""  # why the round was discarded, or who averaged
     # swarm.error_feedback with a lossy codec: what this peer's contribution lost to quantization on the
     # wire, shaped like it; the trainer adds it to the next round's pseudo-gradient. None: nothing was lost.
     residual: Optional[list[torch.Tensor]] = None
+
+
+@dataclass
+class Download:
+    """A state this peer took from a donor."""
+
+    round: int
+    donor: str  # peer id
+    bytes: int
+    seconds: float
 
 
 @dataclass
@@ -93,10 +104,10 @@ class Averager(ABC):
         """Serve `snapshot` to newcomers from now on (no-op without a network)."""
 
     def fetch_state(self, intake: Intake, round: int, sha256: str, donors: Optional[list[str]] = None,
-                    must: bool = False) -> Optional[int]:
+                    must: bool = False) -> Optional[Download]:
         """Take the swarm's state into `intake` if the swarm committed a later round than `round`, or holds
         another hash than `sha256` at it (from `donors` if given), or whatever it holds with `must` (our own
-        model went bad). Returns the round taken, None if there was nothing to take; SwarmError if there
+        model went bad). Returns what was taken, None if there was nothing to take; SwarmError if there
         was but no peer could give it: a peer never trains on from a state the swarm has left behind."""
         if must:
             raise SwarmError("there is no peer to take a state from (this peer runs without a swarm)")

@@ -54,6 +54,7 @@ class RoundRecord:
     note: str = ""
     time: float = 0.0  # unix time when the round closed
     overhead_s: float = 0.0  # the rest of the round: outer step, hashing, eval, checkpoint, state download
+    allreduce_s: float = 0.0  # of comm_s, the all-reduce that committed the round
 
 
 @dataclass
@@ -193,7 +194,8 @@ class Trainer:
         if got is not None:
             log.info("caught up from round %d to round %d from a peer's state", before, self.diloco.round)
             self.history.events.append({"event": "state_downloaded", "time": time.time(), "from_round": before,
-                                        "to_round": self.diloco.round})
+                                        "to_round": self.diloco.round, "donor": got.donor, "bytes": got.bytes,
+                                        "seconds": got.seconds})
         self.averager.offer_state(self.snapshot())
         return got is not None
 
@@ -328,6 +330,7 @@ class Trainer:
             round=self.diloco.round, committed=committed, train_loss=train_loss, eval_loss=eval_loss,
             global_sha256=self.diloco.global_sha256(), group_size=outcome.group_size,
             samples=outcome.total_samples, compute_s=compute_s, comm_s=outcome.comm_s,
+            allreduce_s=outcome.allreduce_s,
             bytes_sent=outcome.bytes_sent, bytes_received=outcome.bytes_received,
             tokens_per_s=tokens_per_s, note=outcome.note, time=time.time(),
         )

@@ -36,7 +36,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
-from swarm.averaging import Averager, Intake, RoundOutcome, Snapshot
+from swarm.averaging import Averager, Download, Intake, RoundOutcome, Snapshot
 from swarm.config import FaultsConfig, SwarmConfig, live_window
 from swarm.diloco import PseudoGradient
 from swarm.errors import SwarmError
@@ -166,6 +166,7 @@ class SwarmAverager(Averager):
                 contribution = Contribution(pseudo_grad.read, float(samples), out, residual)
                 bound = transfer_deadline(layout.member_wire_bytes(group.members.index(self._p2p.peer_id)),
                                           self.cfg.stall_timeout, self.cfg.min_bandwidth) + self.cfg.stall_timeout
+                allreduce_start = time.monotonic()
                 traffic = self._call(self._allreduce.run(group.group_id, group.members, layout, contribution), bound)
             except (AllReduceFailed, TimeoutError) as e:
                 reason = str(e)
@@ -177,7 +178,7 @@ class SwarmAverager(Averager):
             return RoundOutcome(out, group_size=len(group.members), residual=residual,
                                 total_samples=sum(int(m.get("samples", 0)) for m in group.metas),
                                 bytes_sent=sent, bytes_received=received, comm_s=time.monotonic() - start,
-                                note=f"group of {len(group.members)}")
+                                allreduce_s=time.monotonic() - allreduce_start, note=f"group of {len(group.members)}")
         return RoundOutcome(None, bytes_sent=sent, bytes_received=received, comm_s=time.monotonic() - start,
                             note=f"round {round + 1} discarded after {time.monotonic() - start:.0f} s "
                                  f"(the round's deadline, budget.round_deadline): {reason}")
@@ -271,7 +272,7 @@ class SwarmAverager(Averager):
                            f"{self.cfg.request_timeout:g} s")
 
     def fetch_state(self, intake: Intake, round: int, sha256: str, donors: Optional[list[str]] = None,
-                    must: bool = False) -> Optional[int]:
+                    must: bool = False) -> Optional[Download]:
         self._server.snapshot = None  # our state is about to be overwritten: serve nothing meanwhile
         self.publish_progress(round, 0, 0, 0.0, ready=False, sha256=sha256)
         start, tried = time.monotonic(), {}
@@ -296,7 +297,8 @@ class SwarmAverager(Averager):
                     logger.warning(f"state from {peer_id} refused: {e}")
                     tried[peer_id] = str(e)
                     continue
-                logger.info(f"fetched the state of round {got} from {peer_id}")
+                logger.info(f"fetched the state of round {got.round} from {peer_id}: {got.bytes / 1e6:.0f} MB in "
+                            f"{got.seconds:.1f} s ({got.bytes / 1e6 / max(got.seconds, 1e-9):.0f} MB/s)")
                 return got
             if not needed:
                 return None

@@ -23,12 +23,13 @@ import asyncio
 import concurrent.futures
 import hashlib
 import logging
+import time
 from typing import Callable, Optional
 
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from swarm.averaging import Intake, Snapshot
+from swarm.averaging import Download, Intake, Snapshot
 from swarm.errors import SwarmError
 from swarm.net.budget import transfer_deadline
 from swarm.net.wire import Channel, Kind, ProtocolError, serve
@@ -115,9 +116,10 @@ def _manifest(value: dict) -> tuple[int, str, dict, list[TensorSpec]]:
 
 
 async def download(p2p: P2P, peer: PeerID, name: str, stall: float, min_bandwidth: float, intake: Intake,
-                   check: Callable[[int, str], Optional[str]], pool: concurrent.futures.Executor) -> int:
-    """Take `peer`'s state into `intake`; the round taken. `check(round, sha256)` returns why a state of that
-    round and hash must not be taken (None: take it). Raises StateRefused or a WireError."""
+                   check: Callable[[int, str], Optional[str]], pool: concurrent.futures.Executor) -> Download:
+    """Take `peer`'s state into `intake`. `check(round, sha256)` returns why a state of that round and hash
+    must not be taken (None: take it). Raises StateRefused or a WireError."""
+    start = time.monotonic()
     channel = await Channel.open(p2p, peer, name, stall)
     try:
         await channel.send_control(Kind.HELLO, {})
@@ -159,6 +161,6 @@ async def download(p2p: P2P, peer: PeerID, name: str, stall: float, min_bandwidt
             intake.accept(meta)
         except ValueError as e:
             raise StateRefused(str(e)) from None
-        return round
+        return Download(round, str(peer), channel.traffic.received, time.monotonic() - start)
     finally:
         channel.close()

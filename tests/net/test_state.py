@@ -87,7 +87,8 @@ def test_a_newcomer_takes_the_committed_state_tensor_by_tensor(pair):
     donor.train_rounds(3)
     donor.publish()
     got = newcomer.fetch()
-    assert got == 3 and newcomer.diloco.round == 3 and newcomer.step == 3
+    assert got.round == 3 and newcomer.diloco.round == 3 and newcomer.step == 3
+    assert got.bytes > sum(t.numel() * t.element_size() for t in shared_tensors(donor.diloco, donor.opt).values())
     assert newcomer.diloco.global_sha256() == donor.diloco.global_sha256()
     mine, theirs = shared_tensors(newcomer.diloco, newcomer.opt), shared_tensors(donor.diloco, donor.opt)
     assert list(mine) == list(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)
@@ -99,7 +100,7 @@ def _download(newcomer: Peer, donor: Peer, check=lambda r, h: None) -> int:
     averager = newcomer.averager
     coro = statesync.download(averager._p2p, donor.averager._p2p.peer_id, averager._state_handler, 2.0, 1e6,
                               newcomer.intake(), check, averager._pool)
-    return averager._call(coro, 30)
+    return averager._call(coro, 30).round
 
 
 @pytest.mark.timeout(60)
@@ -176,7 +177,7 @@ def test_a_finished_peer_serves_its_state_until_peers_behind_caught_up(pair):
     finisher.start()
     time.sleep(2.0)  # the laggard learns it is behind only after its next matchmaking
     assert finisher.is_alive(), "the finished peer left while a live peer was behind"
-    assert newcomer.fetch() == 3
+    assert newcomer.fetch().round == 3
     newcomer.publish()  # caught up: nobody is behind any more
     finisher.join(10)
     assert not finisher.is_alive() and time.monotonic() - start < 2.0 + 5.0
@@ -215,3 +216,19 @@ def test_state_names_and_the_intake_refuse_a_model_of_another_shape():
     specs = [TensorSpec.of(f"global.{i}", g) for i, g in enumerate(theirs.global_params)]
     with pytest.raises(ValueError, match="global.0 float32 \\[3, 4\\], expected global.0 float32 \\[4, 4\\]"):
         destinations(ours, opt, specs)
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_on_the_minority_s_parameters_takes_the_majority_s_state_at_once(pair):
+    """Two peers committed round 3 on different parameters (a split commit): the side that loses the vote
+    (one each: the larger hash wins, on both sides) learns it before averaging and takes the other's state."""
+    one, other = pair
+    one.train_rounds(3)
+    other.train_rounds(3)
+    for peer in pair:
+        peer.publish()
+    winner, loser = sorted(pair, key=lambda p: p.diloco.global_sha256(), reverse=True)
+    outcome = loser.averager.average(3, loser.diloco.pseudo_gradient(), 1, loser.diloco.outer_grads(),
+                                     loser.diloco.global_sha256())
+    assert outcome.averaged is None and outcome.behind and outcome.donors == [winner.averager.peer_id], outcome.note
+    assert loser.fetch().round == 3 and loser.diloco.global_sha256() == winner.diloco.global_sha256()
