@@ -21,11 +21,12 @@ import traceback
 
 from bench.common import RESULTS, stamp
 
-MODULES = ["convergence", "traffic", "utilization", "overhead", "allreduce", "compression"]
+MODULES = ["convergence", "traffic", "utilization", "overhead", "allreduce", "scale", "compression"]
 TITLES = {"convergence": "1. Convergence (DiLoCo Table 2 shape)", "traffic": "2. Traffic per round",
           "utilization": "3. Compute utilization of a real swarm",
           "overhead": "4. Overhead: swarm peer --solo vs plain PyTorch",
-          "allreduce": "5. All-reduce time", "compression": "Compression codecs (bench/compression.py)"}
+          "allreduce": "5. All-reduce time", "scale": "6. The round at real model sizes (85M parameters)",
+          "compression": "Compression codecs (bench/compression.py)"}
 
 
 def call(name: str, quick: bool) -> dict:

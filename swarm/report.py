@@ -28,12 +28,11 @@ def peak_rss_bytes() -> int:
 
 def peer_summary(history: PeerHistory) -> dict[str, Any]:
     committed = [r for r in history.rounds if r.committed]
-    last = history.rounds[-1] if history.rounds else None  # a peer that caught up holds the donor's round
     return {
         "peer_id": history.peer_id,
-        "rounds_completed": last.round if last else 0,
+        "rounds_completed": history.final_round,  # a peer that caught up holds the donor's round
         "round_hashes": [r.global_sha256 for r in committed],
-        "final_global_sha256": last.global_sha256 if last else None,
+        "final_global_sha256": history.final_global_sha256,
         "initial_eval_loss": history.initial_eval_loss,
         "train_loss": [r.train_loss for r in committed],
         "eval_loss": [r.eval_loss for r in committed],

@@ -54,6 +54,7 @@ class RoundRecord:
     note: str = ""
     time: float = 0.0  # unix time when the round closed
     overhead_s: float = 0.0  # the rest of the round: outer step, hashing, eval, checkpoint, state download
+    eval_s: float = 0.0  # of overhead_s, the held-out eval
     allreduce_s: float = 0.0  # of comm_s, the all-reduce that committed the round
 
 
@@ -63,6 +64,8 @@ class PeerHistory:
     initial_eval_loss: Optional[float] = None
     rounds: list[RoundRecord] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
+    final_round: int = 0  # the round and hash this peer holds now: committed, resumed or downloaded
+    final_global_sha256: Optional[str] = None
 
 
 def lr_lambda(cfg: InnerConfig, total_steps: int) -> Callable[[int], float]:
@@ -124,6 +127,8 @@ class Trainer:
         self.scheduler._last_lr = lrs
 
     def snapshot(self) -> Snapshot:
+        """What this peer now holds, to serve; also recorded as where it stands (summary.json)."""
+        self.history.final_round, self.history.final_global_sha256 = self.diloco.round, self.diloco.global_sha256()
         return Snapshot(self.diloco.round, self.diloco.global_sha256(), {"round": self.diloco.round, "step": self.step},
                         peer_state.shared_tensors(self.diloco, self.optimizer), self.diloco.version,
                         lambda: self.diloco.version)
@@ -323,16 +328,17 @@ class Trainer:
             log.warning("round %d discarded (%s): keeping local progress for the next attempt",
                         self.diloco.round + 1, outcome.note)
         outcome.averaged = None  # the all-reduce's buffers: free them before eval and checkpoint
-        eval_loss = None
+        eval_loss, eval_start = None, time.perf_counter()
         if committed and self.diloco.round % self.cfg.diloco.eval_every == 0:
             eval_loss = evaluate(self.model, self.eval_batches, self.device)
+        eval_s = time.perf_counter() - eval_start
         record = RoundRecord(
             round=self.diloco.round, committed=committed, train_loss=train_loss, eval_loss=eval_loss,
             global_sha256=self.diloco.global_sha256(), group_size=outcome.group_size,
             samples=outcome.total_samples, compute_s=compute_s, comm_s=outcome.comm_s,
             allreduce_s=outcome.allreduce_s,
             bytes_sent=outcome.bytes_sent, bytes_received=outcome.bytes_received,
-            tokens_per_s=tokens_per_s, note=outcome.note, time=time.time(),
+            tokens_per_s=tokens_per_s, note=outcome.note, time=time.time(), eval_s=eval_s,
         )
         self.history.rounds.append(record)
         if checkpoint and committed:  # the rest goes to disk while the next round's inner steps run
@@ -363,9 +369,8 @@ class Trainer:
 
 
 def _history_to_dict(history: PeerHistory) -> dict[str, Any]:
-    return {"peer_id": history.peer_id, "initial_eval_loss": history.initial_eval_loss,
-            "rounds": [r.__dict__ for r in history.rounds], "events": history.events}
+    return {**history.__dict__, "rounds": [r.__dict__ for r in history.rounds]}
 
 
 def _history_from_dict(d: dict[str, Any]) -> PeerHistory:
-    return PeerHistory(d["peer_id"], d["initial_eval_loss"], [RoundRecord(**r) for r in d["rounds"]], d["events"])
+    return PeerHistory(**{**d, "rounds": [RoundRecord(**r) for r in d["rounds"]]})

@@ -259,7 +259,7 @@ class SwarmAverager(Averager):
     # ---- state ----------------------------------------------------------------------------------------
 
     def offer_state(self, snapshot: Snapshot) -> None:
-        self._server.snapshot = snapshot
+        """Record the commit first, then serve: a newcomer checks what it downloads against these records."""
         now = get_dht_time()
         record = schema.CommitRecord(name=self.peer_name, round=snapshot.round, sha256=snapshot.sha256, time=now)
         with self._dht_lock:
@@ -270,6 +270,7 @@ class SwarmAverager(Averager):
         except concurrent.futures.TimeoutError:
             logger.warning(f"commit record of round {snapshot.round} not confirmed within "
                            f"{self.cfg.request_timeout:g} s")
+        self._server.snapshot = snapshot
 
     def fetch_state(self, intake: Intake, round: int, sha256: str, donors: Optional[list[str]] = None,
                     must: bool = False) -> Optional[Download]:

@@ -162,7 +162,7 @@ def test_alone_and_behind(pair):
     newcomer.averager.publish_progress(9, 0, 0, 0.0, sha256="e" * 64)
     outcome = newcomer.averager.average(9, grad, 10, out, "e" * 64)  # nobody at round 9 or beyond: our own step
     assert outcome.note == "alone" and all(torch.equal(a, b) for a, b in zip(outcome.averaged, grad.tensors()))
-    bad = PseudoGradient([torch.tensor([float("nan")])], [torch.zeros(1)])
+    bad = PseudoGradient([torch.zeros(1)], [torch.tensor([float("nan")])])  # the local model went NaN
     assert "not finite" in newcomer.averager.average(9, bad, 10, [torch.empty(1)], "e" * 64).note
 
 
