@@ -3,9 +3,12 @@
 A donor serves its latest `Snapshot` (the live tensors of its last committed round, `state.py` names) over
 one stream: a MANIFEST (round, hash of the global parameters, schedule position, and every tensor's name,
 dtype, shape and byte count), then each tensor's bytes in DATA frames of at most `DATA_BYTES`. Nothing is
-serialized into one blob on either side. The donor reads under its `DiLoCo.version` seqlock: if it commits
-again (or starts loading a state) mid-download, it stops with FAIL and the newcomer tries again. Global
-parameters and outer momentum come first, so only they must arrive within one of the donor's rounds.
+serialized into one blob on either side, and nothing is copied to serve it: global parameters and outer
+momentum do not change until the donor's next outer step, and it reads them under its `DiLoCo.version`
+seqlock: if it commits again (or starts loading a state) mid-download, it stops with FAIL and the newcomer
+tries again. They come first, so only they must arrive within one of the donor's rounds. The AdamW
+moments, last, are the donor's current ones (its inner steps go on while it serves): a newcomer's inner
+optimizer starts warm from them, and no hash covers them because no two peers share them anyway.
 
 The receiver checks before it writes a byte: the round and hash must be what the swarm committed
 (`check`, from the DHT records, not from the donor), and every tensor must be one it expects, by name,
@@ -63,11 +66,12 @@ class StateServer:
         await self.p2p.remove_binary_stream_handler(self.name)
 
     @staticmethod
-    def _read(snapshot: Snapshot, tensor: torch.Tensor, start: int, end: int) -> bytes:
-        if snapshot.current_version() != snapshot.version:
+    def _read(snapshot: Snapshot, tensor: torch.Tensor, start: int, end: int, committed: bool) -> bytes:
+        """Bytes [start, end) of `tensor`; for the committed tensors, Moved if the round changed meanwhile."""
+        if committed and snapshot.current_version() != snapshot.version:
             raise Moved("this peer's state changed (a new round was committed or a state is loading)")
         data = byte_view(tensor)[start:end].cpu().numpy().tobytes()
-        if snapshot.current_version() != snapshot.version:
+        if committed and snapshot.current_version() != snapshot.version:
             raise Moved("this peer's state changed (a new round was committed or a state is loading)")
         return data
 
@@ -88,7 +92,8 @@ class StateServer:
             for spec, tensor in zip(specs, snapshot.tensors.values()):
                 for start in range(0, spec.nbytes, DATA_BYTES):
                     end = min(start + DATA_BYTES, spec.nbytes)
-                    data = await loop.run_in_executor(self.pool, self._read, snapshot, tensor, start, end)
+                    data = await loop.run_in_executor(self.pool, self._read, snapshot, tensor, start, end,
+                                                      not spec.name.startswith("adam."))
                     await channel.send(Kind.DATA, data)
         except Moved as e:
             await channel.fail(str(e))

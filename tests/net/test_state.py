@@ -232,3 +232,30 @@ def test_a_peer_on_the_minority_s_parameters_takes_the_majority_s_state_at_once(
                                      loser.diloco.global_sha256())
     assert outcome.averaged is None and outcome.behind and outcome.donors == [winner.averager.peer_id], outcome.note
     assert loser.fetch().round == 3 and loser.diloco.global_sha256() == winner.diloco.global_sha256()
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_state_is_logged_naming_the_donor_and_the_next_attempt_is_made(pair, monkeypatch, caplog):
+    """The donor's first answer announces more bytes than its first tensor holds: refused with a line naming
+    the donor; the newcomer tries again and takes the honest answer."""
+    import logging
+
+    donor, newcomer = pair
+    donor.train_rounds(2)
+    donor.publish()
+    newcomer.publish()
+    serve, forged = statesync.StateServer._serve, []
+
+    async def forge_once(self, channel):
+        if forged:
+            return await serve(self, channel)
+        forged.append(True)
+        await channel.recv_control()
+        specs = [[n, "float32", list(t.shape), t.numel() * 4 + 4] for n, t in self.snapshot.tensors.items()]
+        await channel.send_control(Kind.MANIFEST, {"round": 2, "sha256": self.snapshot.sha256, "meta": {},
+                                                   "tensors": specs})
+    monkeypatch.setattr(statesync.StateServer, "_serve", forge_once)
+    with caplog.at_level(logging.WARNING, logger="swarm.net.peer"):
+        assert newcomer.fetch().round == 2
+    assert f"state from {donor.averager.peer_id} refused" in caplog.text and "bytes announced" in caplog.text
+    assert newcomer.diloco.global_sha256() == donor.diloco.global_sha256()
