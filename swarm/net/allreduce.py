@@ -56,6 +56,7 @@ class AllReduce:
         self.on_pushed: Optional[Callable[[], None]] = None  # fault injection: called after a part was pushed
         self._groups: dict[bytes, asyncio.Future[GroupState]] = {}
         self._serving: set[asyncio.Task] = set()
+        self._abandoned: dict[bytes, tuple[PeerID, str]] = {}  # groups a member left before we ran them
 
     async def start(self) -> None:
         await serve(self.p2p, self.name, self.stall, self._serve_contributions)
@@ -81,6 +82,8 @@ class AllReduce:
         me = list(members).index(self.p2p.peer_id)
         group = GroupState(group_id, members, me, layout, contribution)
         slot.set_result(group)
+        if group_id in self._abandoned and self._abandoned[group_id][0] in group.members:
+            await group.fail("{} left the group: {}".format(*self._abandoned.pop(group_id)))
         tasks = [asyncio.ensure_future(self._reduce_own(group))]
         tasks += [asyncio.ensure_future(self._exchange(group, j)) for j in range(len(members)) if j != me]
         deadline = transfer_deadline(layout.member_wire_bytes(me), self.stall, self.min_bandwidth)
@@ -240,9 +243,35 @@ class AllReduce:
             group.have[group.me] += 1
             await group.notify()
 
+    async def abandon(self, group_id: bytes, members: Sequence[PeerID], reason: str) -> None:
+        """Tell `members` that we will not take part in `group_id` (they drop it at once, not after a stall)."""
+        async def tell(peer: PeerID) -> None:
+            try:
+                channel = await Channel.open(self.p2p, peer, self.name, self.stall)
+                await channel.send_control(Kind.HELLO, {"group": group_id, "abandon": reason[:300]})
+                channel.close()
+            except WireError as e:
+                logger.debug(f"all-reduce: could not tell {peer} that we left group {group_id.hex()[:8]}: {e}")
+        await asyncio.gather(*[tell(p) for p in members if p != self.p2p.peer_id])
+
+    def _left(self, group_id: object, peer: PeerID, reason: object) -> None:
+        """A member left a group (its matchmaking barrier failed): fail the group if it is ours, or remember
+        it for `stall` s in case we have yet to run it."""
+        if not isinstance(group_id, bytes):
+            return
+        slot = self._groups.get(group_id)
+        group = slot.result() if slot is not None and slot.done() and slot.exception() is None else None
+        if group is not None and peer in group.members:
+            asyncio.ensure_future(group.fail(f"{peer} left the group: {str(reason)[:300]}"))
+        elif group is None and len(self._abandoned) < MAX_PENDING_GROUPS:
+            self._abandoned[group_id] = (peer, str(reason)[:300])
+            asyncio.get_running_loop().call_later(self.stall, self._abandoned.pop, group_id, None)
+
     async def _serve_contributions(self, channel: Channel) -> None:
         """One member's stream to us, the owner of our part: its chunks in, our part's averages out."""
         hello = await channel.recv_control()
+        if "abandon" in hello:
+            return self._left(hello.get("group"), channel.peer, hello["abandon"])
         group = await self._wait_group(hello.get("group"), channel)
         if group is None:
             return

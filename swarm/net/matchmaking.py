@@ -6,8 +6,9 @@ one: each member puts a random token in the tensor and in its meta, and the resu
 the gathered tokens. hivemind reports an all-reduce that missed a member as a success ("Reducer:
 received 50.0% of input tensors"): a member whose groupmate had already left matchmaking (its step timed
 out as the leader closed the group) got such a phantom group, and then waited out a whole
-whole time-out for parts that never came. Now it retries at once. The real all-reduce runs in
-allreduce.py.
+time-out for parts that never came. Now it retries at once, and tells its groupmates (`AllReduce.abandon`):
+those for whom the barrier did succeed drop the group at once too, instead of waiting for this peer's
+parts until they stall. The real all-reduce runs in allreduce.py.
 
 Round tagging: the averager's group key is `{run_id}_{fingerprint}.0b{round as 32 bits}`.
 - the prefix makes peers of another run, or of this run with other model/run settings, never meet;
@@ -66,11 +67,12 @@ class Group:
 
 
 class NoGroup(Exception):
-    """Matchmaking ended without a group; `alone` is True when nobody else showed up."""
+    """Matchmaking ended without a group; `alone` is True when nobody else showed up. `left`: a group this
+    peer leaves although its groupmates may hold it (tell them, or they wait for us until they stall)."""
 
-    def __init__(self, reason: str, alone: bool):
+    def __init__(self, reason: str, alone: bool, left: Optional[Group] = None):
         super().__init__(reason)
-        self.reason, self.alone = reason, alone
+        self.reason, self.alone, self.left = reason, alone, left
 
 
 def round_bits(round: int) -> str:
@@ -144,10 +146,11 @@ class Matchmaker:
         expected = sum(float(m.get("token", 0.0)) for m in metas) / len(metas)
         with self._averager.get_tensors() as tensors:
             got = float(tensors[0])
+        group = Group(group_id(members, metas), members, metas)
         if abs(got - expected) > 1e-4 * expected:
-            raise NoGroup(f"round {round}: a phantom group of {len(members)}: not every member took part in the "
-                          f"matchmaking barrier", alone=False)
-        return Group(group_id(members, metas), members, metas)
+            raise NoGroup(f"a phantom group of {len(members)}: not every member took part in the matchmaking "
+                          f"barrier", alone=False, left=group)
+        return group
 
     def close(self) -> None:
         if self._averager.is_alive():

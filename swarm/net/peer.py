@@ -147,6 +147,9 @@ class SwarmAverager(Averager):
                                     note=str(e))
             except NoGroup as e:
                 reason = e.reason
+                if e.left is not None:  # groupmates that believe in this group must not wait for us
+                    asyncio.run_coroutine_threadsafe(
+                        self._allreduce.abandon(e.left.group_id, e.left.members, e.reason), self._loop)
                 if e.alone and self._assess(round, base).verdict == policy.Verdict.ALONE:
                     for i, o in enumerate(out):
                         o.copy_(pseudo_grad.read(i, 0, o.numel()).view(o.shape))

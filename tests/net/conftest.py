@@ -49,9 +49,10 @@ class GroupResult:
 
 
 def run_group(dhts, vectors, weights, *, codec="none", stall=10.0, skip=(), group_id=b"g", chunk_elements=None,
-              residual=False, shapes=None):
+              residual=False, shapes=None, abandon=()):
     """One in-process all-reduce among `dhts` of flat fp32 `vectors` (one tensor each, or cut into `shapes`);
-    members in `skip` never start it. Returns (members, GroupResult or exception per started member)."""
+    members in `skip` never start it, members in `abandon` tell the others they leave it. Returns (members,
+    GroupResult or exception per started member)."""
     import asyncio
     import concurrent.futures
 
@@ -84,7 +85,10 @@ def run_group(dhts, vectors, weights, *, codec="none", stall=10.0, skip=(), grou
             return GroupResult(flat(out), traffic, flat(kept) if kept is not None else None)
 
         try:
-            runs = [one(s, v, w) for i, (s, v, w) in enumerate(zip(services, vectors, weights)) if i not in skip]
+            for i in abandon:
+                await services[i].abandon(group_id, members, "a phantom group")
+            runs = [one(s, v, w) for i, (s, v, w) in enumerate(zip(services, vectors, weights))
+                    if i not in (*skip, *abandon)]
             results = await asyncio.gather(*runs, return_exceptions=True)
             for service in services:
                 await service.drain()

@@ -83,6 +83,16 @@ def test_missing_member_stalls_out_and_nobody_hangs(dhts):
 
 
 @pytest.mark.timeout(30)
+def test_a_member_that_leaves_the_group_is_not_waited_for(dhts):
+    """Member 2's matchmaking barrier failed (a phantom group for it): it says so, and the others drop the
+    group at once instead of waiting stall_timeout for its parts."""
+    start = time.monotonic()
+    members, results = run_group(dhts, [torch.randn(100)] * 3, [1.0] * 3, stall=10.0, abandon={2})
+    assert all(isinstance(r, AllReduceFailed) and f"{members[2]} left the group" in str(r) for r in results), results
+    assert time.monotonic() - start < 5.0
+
+
+@pytest.mark.timeout(30)
 def test_a_member_pushing_more_than_its_part_is_refused(dhts, monkeypatch, caplog):
     """Member 2 sends one chunk more to every owner than the layout gives it: each owner names it."""
     push = allreduce.AllReduce._push
