@@ -109,7 +109,7 @@ class AllReduce:
             await group.fail(str(e) or type(e).__name__)
             for task in [watch, *tasks]:
                 task.cancel()
-            self._forget(group_id, e)
+            self._forget(group_id, e if isinstance(e, AllReduceFailed) else AllReduceFailed(group.failure))
             raise e from None
 
     def _linger(self, group: GroupState, tasks: list[asyncio.Task]) -> None:
