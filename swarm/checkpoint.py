@@ -148,6 +148,12 @@ class Checkpointer:
         self._file = None
         self._tmp.unlink(missing_ok=True)
 
+    def close(self) -> None:
+        """When training stops, normally or not: finish a committed checkpoint, drop one never committed."""
+        if self._committing is None:
+            self.abort()
+        self.wait()
+
     def save(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """Write a whole checkpoint now (not in the background)."""
         self.begin({})
@@ -165,47 +171,17 @@ class Checkpointer:
             self._close()
             raise SwarmError(f"cannot write checkpoint {self.path}: {error}") from error
 
-    def read_index(self) -> tuple[dict[str, Any], list[tuple[TensorSpec, int, int, int]]]:
-        """(meta, [(spec, offset, nbytes, crc32)]) after checking the footer, index and every checksum."""
-        origin = str(self.path)
-        try:
-            with open(self.path, "rb") as f:
-                size, tail = f.seek(0, os.SEEK_END), FOOTER.size + len(MAGIC)
-                if size < tail:
-                    raise CorruptCheckpoint(f"corrupt checkpoint {origin}: {size} bytes, too short")
-                f.seek(size - tail)
-                (index_crc, length), magic = FOOTER.unpack(f.read(FOOTER.size)), f.read(len(MAGIC))
-                if magic != MAGIC or length > size - tail:
-                    raise CorruptCheckpoint(f"corrupt checkpoint {origin}: bad footer (truncated or not a checkpoint)")
-                f.seek(size - tail - length)
-                raw = f.read(length)
-                if zlib.crc32(raw) != index_crc:
-                    raise CorruptCheckpoint(f"corrupt checkpoint {origin}: its index fails its checksum")
-                index = json.loads(raw)
-                meta, entries = index["meta"], [_entry(e, size - tail - length) for e in index["tensors"]]
-                for spec, offset, nbytes, crc in entries:
-                    f.seek(offset)
-                    got = 0
-                    for start in range(0, nbytes, PIECE):
-                        got = zlib.crc32(f.read(min(PIECE, nbytes - start)), got)
-                    if got != crc:
-                        raise CorruptCheckpoint(f"corrupt checkpoint {origin}: {spec.name} fails its checksum")
-        except CorruptCheckpoint:
-            raise
-        except (OSError, ValueError, KeyError, TypeError) as e:  # unreadable, bad JSON, wrong index structure
-            raise CorruptCheckpoint(f"corrupt checkpoint {origin}: {type(e).__name__}: {e}") from None
-        return meta, entries
-
     def load(self, destinations: Callable[[list[TensorSpec]], dict[str, torch.Tensor]]) -> dict[str, Any]:
         """Check the whole file, then read every tensor into `destinations(specs)[name]`; return the meta.
-        `destinations` raises ValueError for a state that does not fit this peer (a CorruptCheckpoint here)."""
-        self.wait()
-        meta, entries = self.read_index()
-        try:
-            targets = destinations([spec for spec, *_ in entries])
-        except ValueError as e:
-            raise CorruptCheckpoint(f"checkpoint {self.path} does not fit this model: {e}") from None
-        with open(self.path, "rb") as f:
+        `destinations` raises ValueError for a state that does not fit this peer (a CorruptCheckpoint here).
+        The file is opened once: what is read is what was checked, even if a newer checkpoint is renamed
+        into place meanwhile."""
+        with self._open() as f:
+            meta, entries = self._check(f)
+            try:
+                targets = destinations([spec for spec, *_ in entries])
+            except ValueError as e:
+                raise CorruptCheckpoint(f"checkpoint {self.path} does not fit this model: {e}") from None
             for spec, offset, nbytes, _ in entries:
                 target = targets[spec.name]
                 f.seek(offset)
@@ -214,6 +190,42 @@ class Checkpointer:
                 else:
                     byte_view(target).copy_(torch.frombuffer(bytearray(f.read(nbytes)), dtype=torch.uint8))
         return meta
+
+    def _open(self):
+        self.wait()
+        try:
+            return open(self.path, "rb")
+        except OSError as e:
+            raise CorruptCheckpoint(f"corrupt checkpoint {self.path}: {type(e).__name__}: {e}") from None
+
+    def _check(self, f) -> tuple[dict[str, Any], list[tuple[TensorSpec, int, int, int]]]:
+        origin = str(self.path)
+        try:
+            size, tail = f.seek(0, os.SEEK_END), FOOTER.size + len(MAGIC)
+            if size < tail:
+                raise CorruptCheckpoint(f"corrupt checkpoint {origin}: {size} bytes, too short")
+            f.seek(size - tail)
+            (index_crc, length), magic = FOOTER.unpack(f.read(FOOTER.size)), f.read(len(MAGIC))
+            if magic != MAGIC or length > size - tail:
+                raise CorruptCheckpoint(f"corrupt checkpoint {origin}: bad footer (truncated or not a checkpoint)")
+            f.seek(size - tail - length)
+            raw = f.read(length)
+            if zlib.crc32(raw) != index_crc:
+                raise CorruptCheckpoint(f"corrupt checkpoint {origin}: its index fails its checksum")
+            index = json.loads(raw)
+            meta, entries = index["meta"], [_entry(e, size - tail - length) for e in index["tensors"]]
+            for spec, offset, nbytes, crc in entries:
+                f.seek(offset)
+                got = 0
+                for start in range(0, nbytes, PIECE):
+                    got = zlib.crc32(f.read(min(PIECE, nbytes - start)), got)
+                if got != crc:
+                    raise CorruptCheckpoint(f"corrupt checkpoint {origin}: {spec.name} fails its checksum")
+        except CorruptCheckpoint:
+            raise
+        except (OSError, ValueError, KeyError, TypeError) as e:  # unreadable, bad JSON, wrong index structure
+            raise CorruptCheckpoint(f"corrupt checkpoint {origin}: {type(e).__name__}: {e}") from None
+        return meta, entries
 
     def load_all(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Every tensor as a fresh CPU tensor, and the meta (for tests and tools)."""

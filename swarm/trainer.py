@@ -233,48 +233,51 @@ class Trainer:
             log.info("round %d: eval loss %.4f (before training)", self.diloco.round, self.history.initial_eval_loss)
         tokens_per_step = self.cfg.data.batch_size * self.cfg.data.seq_len
 
-        while self.diloco.round < cfg.rounds:
-            # H inner steps: plain PyTorch on this peer's shard. A straggler stops early once a faster peer
-            # waits to average, and contributes the steps it has (the average is weighted by samples).
-            start, losses, last_report = time.perf_counter(), [], 0.0
-            if self.checkpointer is not None:
-                self.checkpointer.wait_begun()  # it may still write the last round's AdamW moments: overhead
-            inner_start = time.perf_counter()
-            for i in range(cfg.inner_steps):
-                self._inject_faults(i)
-                losses.append(self.inner_step())
-                if progress is not None:
-                    progress(self.diloco.round, i + 1, losses[-1])
-                if time.perf_counter() - last_report >= self.cfg.swarm.progress_interval:
-                    last_report = time.perf_counter()
-                    self._publish_progress(inner_start, len(losses))
-                    if i + 1 < cfg.inner_steps and self.averager.others_ready(self.diloco.round):
-                        log.info("round %d: peers wait to average; contributing %d of %d inner steps",
-                                 self.diloco.round + 1, i + 1, cfg.inner_steps)
-                        self._inject_faults(i + 1, stopping_early=True)
-                        break
-            compute_s = time.perf_counter() - inner_start
-            pseudo_grad = self.diloco.pseudo_gradient(self.error_feedback)
-            if not (all(map(math.isfinite, losses)) and pseudo_grad.is_finite()):
-                self._recover_from_non_finite(losses)
-                continue
+        try:
+            while self.diloco.round < cfg.rounds:
+                # H inner steps: plain PyTorch on this peer's shard. A straggler stops early once a faster peer
+                # waits to average, and contributes the steps it has (the average is weighted by samples).
+                start, losses, last_report = time.perf_counter(), [], 0.0
+                if self.checkpointer is not None:
+                    self.checkpointer.wait_begun()  # it may still write the last round's AdamW moments: overhead
+                inner_start = time.perf_counter()
+                for i in range(cfg.inner_steps):
+                    self._inject_faults(i)
+                    losses.append(self.inner_step())
+                    if progress is not None:
+                        progress(self.diloco.round, i + 1, losses[-1])
+                    if time.perf_counter() - last_report >= self.cfg.swarm.progress_interval:
+                        last_report = time.perf_counter()
+                        self._publish_progress(inner_start, len(losses))
+                        if i + 1 < cfg.inner_steps and self.averager.others_ready(self.diloco.round):
+                            log.info("round %d: peers wait to average; contributing %d of %d inner steps",
+                                     self.diloco.round + 1, i + 1, cfg.inner_steps)
+                            self._inject_faults(i + 1, stopping_early=True)
+                            break
+                compute_s = time.perf_counter() - inner_start
+                pseudo_grad = self.diloco.pseudo_gradient(self.error_feedback)
+                if not (all(map(math.isfinite, losses)) and pseudo_grad.is_finite()):
+                    self._recover_from_non_finite(losses)
+                    continue
 
-            # The outer step: average the pseudo-gradients, then commit or discard the round.
-            self._publish_progress(inner_start, len(losses), ready=True)
-            samples = self.samples_since_commit
-            dump = self._dump_inputs(pseudo_grad, samples) if self.cfg.logging.dump_tensors else None
-            checkpoint = self.checkpointer is not None and (self.diloco.round + 1) % self.cfg.checkpoint.every == 0
-            if checkpoint:  # the AdamW moments go to disk while the round averages
-                self.checkpointer.begin(self._checkpoint_parts()[0])
-            outcome = self.averager.average(self.diloco.round, pseudo_grad, samples, self.diloco.outer_grads(),
-                                            self.diloco.global_sha256())
-            record = self._close_round(outcome, sum(losses) / len(losses), compute_s,
-                                       tokens_per_step * len(losses) / compute_s, start, checkpoint)
-            if dump is not None:
-                self._dump(record, *dump)
-            if self.on_round is not None:
-                self.on_round(record)
-        self._settle_checkpoint()
+                # The outer step: average the pseudo-gradients, then commit or discard the round.
+                self._publish_progress(inner_start, len(losses), ready=True)
+                samples = self.samples_since_commit
+                dump = self._dump_inputs(pseudo_grad, samples) if self.cfg.logging.dump_tensors else None
+                checkpoint = self.checkpointer is not None and (self.diloco.round + 1) % self.cfg.checkpoint.every == 0
+                if checkpoint:  # the AdamW moments go to disk while the round averages
+                    self.checkpointer.begin(self._checkpoint_parts()[0])
+                outcome = self.averager.average(self.diloco.round, pseudo_grad, samples, self.diloco.outer_grads(),
+                                                self.diloco.global_sha256())
+                record = self._close_round(outcome, sum(losses) / len(losses), compute_s,
+                                           tokens_per_step * len(losses) / compute_s, start, checkpoint)
+                if dump is not None:
+                    self._dump(record, *dump)
+                if self.on_round is not None:
+                    self.on_round(record)
+        finally:  # however training stops, a committed checkpoint is finished and a begun one dropped
+            if self.checkpointer is not None:
+                self.checkpointer.close()
         return self.history
 
     def _recover_from_non_finite(self, losses: list[float]) -> None:

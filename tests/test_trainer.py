@@ -127,6 +127,24 @@ def test_a_checkpoint_of_another_model_is_refused_before_anything_is_written(tmp
     assert small.diloco.global_sha256() == before
 
 
+@pytest.mark.timeout(60)
+def test_a_checkpoint_renamed_into_place_while_one_is_read_is_not_mixed_in(tmp_path):
+    """The file checked is the file read: a newer checkpoint landing mid-load (a background writer
+    finishing) cannot put its tensors under the older one's meta."""
+    older, newer = Checkpointer(tmp_path / "a"), Checkpointer(tmp_path / "b")
+    older.save({"x": torch.ones(3)}, {"round": 1})
+    newer.save({"x": torch.full((3,), 2.0)}, {"round": 2})
+
+    def destinations(specs):
+        newer.path.replace(older.path)  # lands between the check and the read
+        return {"x": out}
+    out = torch.zeros(3)
+    meta = older.load(destinations)
+    assert meta["round"] == 1 and torch.equal(out, torch.ones(3))
+    tensors, meta = older.load_all()
+    assert meta["round"] == 2 and torch.equal(tensors["x"], torch.full((3,), 2.0))
+
+
 @pytest.mark.timeout(120)
 def test_cli_corrupt_checkpoint_exits_1_naming_it(tmp_path):
     (tmp_path / "checkpoint").mkdir()
