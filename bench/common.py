@@ -16,8 +16,8 @@ import yaml
 
 from swarm.config import Config, load_config
 from swarm.data import TrainBatches, load_corpus
+from swarm.inner import evaluate, lr_lambda
 from swarm.model import build_model
-from swarm.trainer import evaluate, lr_lambda
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"

@@ -111,7 +111,7 @@ class Kill:
 
 
 def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int, out_dir: Path,
-              kills: list[str] = (), joins: list[int] = ()) -> Path:
+              kills: list[str] = (), joins: list[int] = (), nproc: int = 1) -> Path:
     if n_peers < 1:
         raise UsageError(f"--peers must be >= 1, got {n_peers}")
     kill_plan = {k.peer: k for k in map(Kill.parse, kills)}
@@ -139,7 +139,7 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int,
         # forms as soon as every live peer is ready instead of waiting out the matchmaking time.
         common = ["peer", "--config", config_path, *overrides, "--initial-peers", maddr,
                   "--swarm.target_group_size", str(max(n_peers + len(pending_joins), 2)),
-                  "--diloco.threads", "1", "--logging.progress_bar", "false"]
+                  "--diloco.threads", "1", "--logging.progress_bar", "false", "--nproc-per-node", str(nproc)]
 
         def start_peer(i: int, *extra: str) -> Child:
             peer_dir = out_dir / f"peer-{i}"
@@ -165,7 +165,8 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int,
                 if p.proc.poll() is not None and p.name not in seen_dead:
                     seen_dead.add(p.name)
                     k = kill_plan.get(int(p.name.split("-")[1]))
-                    if p.proc.returncode == -signal.SIGKILL and k is not None:
+                    # a killed rank of a multi-process peer ends its torchrun with status 1
+                    if k is not None and p.proc.returncode in (-signal.SIGKILL, 1 if nproc > 1 else -signal.SIGKILL):
                         event("kill", peer=p.name, round=k.round, phase=k.phase)
             line = _status_line(peers, cfg.diloco.rounds, cfg.diloco.inner_steps)
             if interactive:

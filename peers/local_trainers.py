@@ -13,27 +13,41 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from swarm.averaging import SimAverager, SoloAverager
 from swarm.config import Config
+from swarm.ranks import RankAverager, Ranks
 from swarm.report import format_table, peer_summary, write_summary
 from swarm.trainer import Trainer
 
 
 def run_solo(cfg: Config, out_dir: Path) -> Path:
-    """Train one peer without network; write summary.json and loss.png into `out_dir`."""
+    """Train one peer without network; write summary.json and loss.png into `out_dir`. Under torchrun, the
+    peer's ranks train it together (swarm/ranks.py) and rank 0 writes the summary."""
+    from peers.node import write_rank
+
     start = time.time()
     if cfg.diloco.threads:
         torch.set_num_threads(cfg.diloco.threads)
-    shard = cfg.data.shard if cfg.data.shard is not None else 0
-    trainer = Trainer(cfg, SoloAverager(), peer_id="solo", shard=shard, out_dir=out_dir)
-    total = cfg.diloco.rounds * cfg.diloco.inner_steps
-    with logging_redirect_tqdm(), tqdm(total=total, initial=0, disable=not cfg.logging.progress_bar,
-                                       desc="solo", unit="step") as bar:
-        def progress(round_: int, step: int, loss: float) -> None:
-            bar.n = trainer.step
-            bar.set_postfix(round=round_ + 1, loss=f"{loss:.3f}", refresh=False)
-            bar.refresh()
+    ranks = Ranks.from_env()
+    ranks.init(cfg)
+    try:
+        shard = cfg.data.shard if cfg.data.shard is not None else 0
+        averager = RankAverager(ranks, SoloAverager() if ranks.endpoint else None, networked=False) \
+            if ranks.distributed else SoloAverager()
+        trainer = Trainer(cfg, averager, peer_id="solo", shard=shard, out_dir=out_dir, ranks=ranks)
+        total = cfg.diloco.rounds * cfg.diloco.inner_steps
+        with logging_redirect_tqdm(), tqdm(total=total, initial=0, desc="solo", unit="step",
+                                           disable=not (cfg.logging.progress_bar and ranks.endpoint)) as bar:
+            def progress(round_: int, step: int, loss: float) -> None:
+                bar.n = trainer.step
+                bar.set_postfix(round=round_ + 1, loss=f"{loss:.3f}", refresh=False)
+                bar.refresh()
 
-        history = trainer.train(progress)
-    peers = [peer_summary(history)]
+            history = trainer.train(progress)
+        write_rank(out_dir, ranks, trainer)
+    finally:
+        ranks.close()
+    peers = [peer_summary(history, ranks.world_size)]
+    if not ranks.endpoint:
+        return out_dir / "summary.json"
     path = write_summary(out_dir, cfg.swarm.run_id, "solo", cfg.to_dict(), time.time() - start, peers)
     print(format_table(peers))
     return path

@@ -4,6 +4,10 @@ Besides training it writes, into its run folder, `status.json` (round, inner ste
 about once a second, for `swarm local`'s live view), `peer.json` (this peer's summary entry) and
 `summary.json`. SIGTERM and SIGINT end it cleanly: the DHT and averager shut down, the last committed
 round's checkpoint stays on disk.
+
+Under torchrun (`--nproc-per-node K`) each of the peer's K ranks runs `run_peer`; rank 0 is the endpoint
+above, the others train alongside it (swarm/ranks.py) and each writes `ranks/rank-<k>.json` with the round
+and global-parameter hash it ended on.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 
 from swarm.config import Config
 from swarm.data import shard_index
+from swarm.ranks import RankAverager, Ranks
 from swarm.report import peer_summary, write_json, write_summary
 from swarm.trainer import Trainer
 
@@ -47,13 +52,37 @@ def _terminate_on_sigterm() -> None:
 
 
 def run_peer(cfg: Config, out_dir: Path, name: Optional[str]) -> Path:
+    _terminate_on_sigterm()
+    if cfg.diloco.threads:
+        torch.set_num_threads(cfg.diloco.threads)
+    ranks = Ranks.from_env()
+    ranks.init(cfg)
+    try:
+        if ranks.endpoint:
+            return _run_endpoint(cfg, out_dir, name, ranks)
+        name, peer_id = ranks.share(None)
+        trainer = Trainer(cfg, RankAverager(ranks, None, networked=True), peer_id=peer_id,
+                          shard=shard_index(cfg.data, cfg.swarm.run_id, name), out_dir=out_dir, ranks=ranks)
+        trainer.train()
+        write_rank(out_dir, ranks, trainer)
+        return out_dir / "summary.json"
+    finally:
+        ranks.close()
+
+
+def write_rank(out_dir: Path, ranks: Ranks, trainer: Trainer) -> None:
+    """Where this rank ended: every rank of a peer must hold the same global parameters."""
+    if ranks.distributed:
+        (out_dir / "ranks").mkdir(parents=True, exist_ok=True)
+        write_json(out_dir / "ranks" / f"rank-{ranks.rank}.json", {
+            "rank": ranks.rank, "round": trainer.diloco.round, "global_sha256": trainer.diloco.global_sha256()})
+
+
+def _run_endpoint(cfg: Config, out_dir: Path, name: Optional[str], ranks: Ranks) -> Path:
     from swarm.net.dht import start_dht, visible_maddrs
     from swarm.net.peer import SwarmAverager
 
     start = time.time()
-    _terminate_on_sigterm()
-    if cfg.diloco.threads:
-        torch.set_num_threads(cfg.diloco.threads)
     name = name or f"{socket.gethostname()}-{os.getpid()}"
     out_dir.mkdir(parents=True, exist_ok=True)
     status = StatusFile(out_dir / "status.json")
@@ -72,13 +101,15 @@ def run_peer(cfg: Config, out_dir: Path, name: Optional[str]) -> Path:
                      cfg.swarm.run_id, " ".join(maddrs))
         print("\n".join(maddrs), flush=True)
         averager = SwarmAverager(cfg.swarm, dht, fingerprint, name, cfg.faults)
+        ranks.share((name, peer_id))
         shard = shard_index(cfg.data, cfg.swarm.run_id, name)
 
         def on_round(record) -> None:
             status.update(force=True, name=name, peer_id=peer_id, state="training", round=record.round,
                           step=0, loss=record.train_loss, eval_loss=record.eval_loss, committed=record.committed)
 
-        trainer = Trainer(cfg, averager, peer_id=peer_id, shard=shard, out_dir=out_dir, on_round=on_round)
+        trainer = Trainer(cfg, RankAverager(ranks, averager, networked=True) if ranks.distributed else averager,
+                          peer_id=peer_id, shard=shard, out_dir=out_dir, on_round=on_round, ranks=ranks)
 
         def progress(round_: int, step: int, loss: float) -> None:
             status.update(name=name, peer_id=peer_id, state="training", round=round_, step=step, loss=loss)
@@ -86,9 +117,10 @@ def run_peer(cfg: Config, out_dir: Path, name: Optional[str]) -> Path:
         try:
             trainer.train(progress)
         finally:
-            summary = peer_summary(trainer.history)
+            summary = peer_summary(trainer.history, ranks.world_size)
             summary["name"] = name
             write_json(out_dir / "peer.json", summary)
+        write_rank(out_dir, ranks, trainer)
         status.update(force=True, name=name, peer_id=peer_id, state="serving", round=trainer.diloco.round, step=0,
                       loss=None)
         averager.finish(trainer.diloco.round)

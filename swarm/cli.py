@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Optional
 
 from swarm.config import Config, ConfigError, load_config
-from swarm.errors import SwarmError, exit_code
+from swarm.errors import SwarmError, UsageError, exit_code
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="multiaddrs of peers already in the swarm; none: start a new swarm")
     peer.add_argument("--name", default=None, help="peer name (default: hostname-pid); picks the data shard")
     peer.add_argument("--out", default=None, help="run folder (default: runs/<run>-<time>)")
+    peer.add_argument("--nproc-per-node", type=int, default=1, metavar="K",
+                      help="train this peer with K processes (DDP; one per GPU), launched with torchrun")
 
     sim = sub.add_parser("sim", help="M replicas in one process, averaged in memory")
     sim.add_argument("--config", required=True)
@@ -45,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="SIGKILL peer PEER in round ROUND (inside the all-reduce with :allreduce); repeatable")
     local.add_argument("--join", action="append", default=[], type=int, metavar="ROUND",
                        help="start an extra peer when the swarm reaches round ROUND; repeatable")
+    local.add_argument("--nproc-per-node", type=int, default=1, metavar="K", help="processes per peer (DDP)")
 
     boot = sub.add_parser("bootstrap", help="a DHT-only peer that others use as --initial-peers")
     boot.add_argument("--identity", default=None, help="key file for a stable peer id (created if missing)")
@@ -61,11 +65,15 @@ def _out_dir(out: Optional[str], cfg: Config, mode: str) -> Path:
 
 
 def _setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    """INFO lines from a peer's rank 0 only: the other ranks of a multi-process peer log warnings and errors."""
+    level = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr)
 
 
 def run(argv: list[str]) -> int:
+    from swarm.ranks import Ranks, check
+
     args, rest = _parser().parse_known_args(argv)
     _setup_logging()
     if args.command == "bootstrap":
@@ -81,6 +89,17 @@ def run(argv: list[str]) -> int:
     if getattr(args, "rounds", None) is not None:
         overrides += ["--diloco.rounds", str(args.rounds)]
     cfg = load_config(args.config, overrides)
+
+    if args.command == "peer":
+        ranks = Ranks.from_env()
+        if ranks.distributed and args.nproc_per_node not in (1, ranks.world_size):
+            raise UsageError(f"--nproc-per-node {args.nproc_per_node} but torchrun started {ranks.world_size} ranks")
+        if not ranks.distributed and args.nproc_per_node != 1:
+            check(cfg, args.nproc_per_node)
+            _exec_torchrun(args.nproc_per_node, argv)
+
+    if args.command == "local":
+        check(cfg, args.nproc_per_node)
 
     if args.command == "peer" and args.solo:
         from peers.local_trainers import run_solo
@@ -98,9 +117,27 @@ def run(argv: list[str]) -> int:
         from peers.local_swarm import run_local
 
         path = run_local(cfg, args.config, overrides, args.peers, _out_dir(args.out, cfg, f"local{args.peers}"),
-                         args.kill, args.join)
-    print(f"wrote {path} and {path.parent / 'loss.png'}")
+                         args.kill, args.join, args.nproc_per_node)
+    if Ranks.from_env().endpoint:
+        print(f"wrote {path} and {path.parent / 'loss.png'}")
     return 0
+
+
+def _exec_torchrun(nproc: int, argv: list[str]) -> None:
+    """Replace this process with torchrun running the same command on `nproc` ranks (signals reach torchrun,
+    which stops every rank; one rank that dies stops the others)."""
+    rest, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc-per-node":
+            skip = True
+        elif not arg.startswith("--nproc-per-node="):
+            rest.append(arg)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              f"--nproc-per-node={nproc}", "-m", "swarm.cli", *rest])
 
 
 def main(argv: Optional[list[str]] = None) -> None:

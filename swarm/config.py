@@ -35,7 +35,6 @@ class ModelConfig:
     intermediate_size: int = 172
     max_seq_len: int = 256
     vocab_size: Optional[int] = None  # None: taken from the tokenizer
-    dtype: Literal["float32", "bfloat16"] = "float32"
     seed: int = 0  # random init seed: every peer of a run must build the same initial weights
 
 
@@ -72,6 +71,15 @@ class InnerConfig:
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last inner step
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    micro_batch_size: Optional[int] = None
+    """Sequences per forward/backward pass: an inner step accumulates gradients over data.batch_size /
+    micro_batch_size passes, the same step as one pass over the whole batch up to float rounding. None: the
+    whole batch in one pass. Lower it if an inner step runs out of device memory."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """bf16: forward and backward (and eval) under bf16 autocast; the parameters, gradients, AdamW moments,
+    global parameters and outer momentum stay fp32, so no update is lost to bf16 rounding."""
+    activation_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass: less memory for ~30% more compute."""
 
 
 @dataclass
@@ -160,6 +168,7 @@ class FaultsConfig:
     kill_phase: Literal["inner", "allreduce"] = "inner"  # mid inner steps, or inside the all-reduce
     step_delay: float = 0.0  # extra seconds per inner step: a slow peer (straggler)
     nan_round: Optional[int] = None  # this peer's local model turns NaN halfway through this round (1-based)
+    kill_rank: Optional[int] = None  # a multi-process peer: only this rank kills itself (None: every rank)
 
 
 @dataclass
@@ -196,9 +205,9 @@ def live_window(s: SwarmConfig) -> float:
     return 5 * s.progress_interval + 2 * s.request_timeout
 
 
-RETIRED = {"swarm.allreduce_timeout": "swarm.stall_timeout and swarm.min_bandwidth",
-           "swarm.round_timeout": "swarm.stall_timeout and swarm.min_bandwidth",
-           "swarm.state_timeout": "swarm.stall_timeout and swarm.min_bandwidth"}
+_BYTES = "swarm.stall_timeout and swarm.min_bandwidth (time-outs now follow the bytes)"
+RETIRED = {"swarm.allreduce_timeout": _BYTES, "swarm.round_timeout": _BYTES, "swarm.state_timeout": _BYTES,
+           "model.dtype": "inner.precision (parameters and optimizer state are always fp32; bf16 is autocast)"}
 """Keys that existed once: a config still using one is told what replaced it."""
 
 
@@ -249,7 +258,7 @@ def _apply(section: Any, prefix: str, values: dict[str, Any]) -> None:
                 (sub, value), = value.items()
                 key = f"{key}.{sub}"
             if key in RETIRED:
-                raise ConfigError(f"config key {key!r} was replaced by {RETIRED[key]} (time-outs now follow the bytes)")
+                raise ConfigError(f"config key {key!r} was replaced by {RETIRED[key]}")
             raise ConfigError(f"unknown config key {key!r}")
         current = getattr(section, name)
         if dataclasses.is_dataclass(current):
@@ -323,6 +332,9 @@ def validate(cfg: Config) -> None:
                        ("data.batch_size", d.batch_size), ("data.seq_len", d.seq_len)]:
         if value < 1:
             raise ConfigError(f"{key} must be >= 1, got {value}")
+    micro = cfg.inner.micro_batch_size
+    if micro is not None and (micro < 1 or d.batch_size % micro):
+        raise ConfigError(f"inner.micro_batch_size {micro} does not divide data.batch_size {d.batch_size}")
     if cfg.inner.warmup_steps > cfg.diloco.rounds * cfg.diloco.inner_steps:
         raise ConfigError("inner.warmup_steps exceeds the total inner steps (diloco.rounds * diloco.inner_steps)")
     if not 0.0 <= cfg.outer.momentum < 1.0:

@@ -8,15 +8,13 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Pr
 from swarm.config import ModelConfig
 from swarm.errors import UsageError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 def build_model(cfg: ModelConfig, vocab_size: int) -> PreTrainedModel:
-    """A seeded random-init Llama (every peer of a run builds the same weights), or a pretrained model."""
-    dtype = DTYPES[cfg.dtype]
+    """A seeded random-init Llama (every peer of a run builds the same weights), or a pretrained model; fp32
+    either way (the weights AdamW updates; `inner.precision: bf16` computes in bf16 under autocast)."""
     if cfg.pretrained is not None:
         try:
-            return AutoModelForCausalLM.from_pretrained(cfg.pretrained, dtype=dtype)
+            return AutoModelForCausalLM.from_pretrained(cfg.pretrained, dtype=torch.float32)
         except (OSError, ValueError) as e:
             raise UsageError(f"cannot load model.pretrained {cfg.pretrained!r}: {str(e).splitlines()[0]}") from None
     config = LlamaConfig(
@@ -31,8 +29,7 @@ def build_model(cfg: ModelConfig, vocab_size: int) -> PreTrainedModel:
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        model = LlamaForCausalLM(config)
-    return model.to(dtype)
+        return LlamaForCausalLM(config)
 
 
 def count_parameters(model: torch.nn.Module) -> int:

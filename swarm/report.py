@@ -26,8 +26,9 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def peer_summary(history: PeerHistory) -> dict[str, Any]:
+def peer_summary(history: PeerHistory, nproc: int = 1) -> dict[str, Any]:
     committed = [r for r in history.rounds if r.committed]
+    compute_s = sum(r.compute_s for r in history.rounds)
     return {
         "peer_id": history.peer_id,
         "rounds_completed": history.final_round,  # a peer that caught up holds the donor's round
@@ -36,7 +37,10 @@ def peer_summary(history: PeerHistory) -> dict[str, Any]:
         "initial_eval_loss": history.initial_eval_loss,
         "train_loss": [r.train_loss for r in committed],
         "eval_loss": [r.eval_loss for r in committed],
-        "compute_s": sum(r.compute_s for r in history.rounds),
+        "nproc": nproc,  # processes (ranks) training this peer's replica
+        # tokens trained over the run / seconds spent in inner steps (all ranks together)
+        "tokens_per_s": sum(r.tokens_per_s * r.compute_s for r in history.rounds) / compute_s if compute_s else 0.0,
+        "compute_s": compute_s,
         "comm_s": sum(r.comm_s for r in history.rounds),
         "overhead_s": sum(r.overhead_s for r in history.rounds),
         "peak_rss_bytes": peak_rss_bytes(),

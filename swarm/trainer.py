@@ -24,11 +24,13 @@ import torch
 from swarm import state as peer_state
 from swarm.averaging import Averager, Intake, RoundOutcome, Snapshot
 from swarm.checkpoint import Checkpointer, CorruptCheckpoint
-from swarm.config import Config, InnerConfig
+from swarm.config import Config
 from swarm.data import TrainBatches, load_corpus
 from swarm.diloco import DiLoCo, PseudoGradient
 from swarm.errors import SwarmError
+from swarm.inner import autocast, build_optimizer, evaluate, forward_backward, lr_lambda
 from swarm.model import build_model, count_parameters
+from swarm.ranks import SINGLE, Ranks, share_state
 from swarm.state import TensorSpec
 from swarm.tensors import dtype_of
 
@@ -68,43 +70,23 @@ class PeerHistory:
     final_global_sha256: Optional[str] = None
 
 
-def lr_lambda(cfg: InnerConfig, total_steps: int) -> Callable[[int], float]:
-    """Linear warmup to 1, then cosine to `min_lr_ratio` at `total_steps`."""
-
-    def factor(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: str) -> float:
-    model.eval()
-    losses = [model(input_ids=b.to(device), labels=b.to(device)).loss.item() for b in batches]
-    model.train()
-    return sum(losses) / len(losses)
-
-
 class Trainer:
     """One peer's model, inner optimizer, DiLoCo state and data, with save/restore of all of it."""
 
     def __init__(self, cfg: Config, averager: Averager, peer_id: str, shard: int, out_dir: Path,
-                 on_round: Optional[Callable[[RoundRecord], None]] = None):
-        self.cfg, self.averager, self.on_round, self.out_dir = cfg, averager, on_round, out_dir
+                 on_round: Optional[Callable[[RoundRecord], None]] = None, ranks: Ranks = SINGLE):
+        self.cfg, self.averager, self.on_round, self.out_dir, self.ranks = cfg, averager, on_round, out_dir, ranks
         self.device = cfg.diloco.device
         corpus = load_corpus(cfg.data)
         self.batches = TrainBatches(corpus, cfg.data, shard)
         self.eval_batches = corpus.eval_batches(cfg.data)
         self.model = build_model(cfg.model, corpus.tokenizer.vocab_size).to(self.device)
         self.diloco = DiLoCo(self.model, cfg.outer, cfg.diloco.global_device)
-        inner = cfg.inner
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=inner.lr, betas=(inner.beta1, inner.beta2),
-                                           eps=inner.eps, weight_decay=inner.weight_decay)
+        self.precision = autocast(cfg.inner.precision, self.device)
+        self.optimizer = build_optimizer(self.model, cfg)
+        self.train_model = ranks.wrap(self.model)  # DDP over the peer's ranks, or the model itself
         total = cfg.diloco.rounds * cfg.diloco.inner_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(inner, total))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.inner, total))
         self.step = 0  # inner steps done by this peer: the schedule position and the data position
         self.samples_since_commit = 0
         # swarm.error_feedback: what quantization dropped from this peer's last committed contribution, added
@@ -112,7 +94,7 @@ class Trainer:
         self.error_feedback: Optional[list[torch.Tensor]] = None
         self.history = PeerHistory(peer_id=peer_id)
         ckpt_dir = cfg.checkpoint.dir or out_dir / "checkpoint"
-        self.checkpointer = Checkpointer(ckpt_dir) if cfg.checkpoint.every > 0 else None
+        self.checkpointer = Checkpointer(ckpt_dir) if cfg.checkpoint.every > 0 and ranks.endpoint else None
         log.info("peer %s: %d parameters, shard %d, %d rounds x %d inner steps",
                  peer_id, count_parameters(self.model), shard, cfg.diloco.rounds, cfg.diloco.inner_steps)
 
@@ -196,6 +178,7 @@ class Trainer:
         self._settle_checkpoint()
         with self.diloco.changing():
             got = self.averager.fetch_state(self.intake(), before, sha, donors, must)
+            self._share_state()
         if got is not None:
             log.info("caught up from round %d to round %d from a peer's state", before, self.diloco.round)
             self.history.events.append({"event": "state_downloaded", "time": time.time(), "from_round": before,
@@ -204,11 +187,21 @@ class Trainer:
         self.averager.offer_state(self.snapshot())
         return got is not None
 
+    def _share_state(self) -> None:
+        """A multi-process peer: every rank takes rank 0's state (resumed, downloaded, or its own)."""
+        position = share_state(self.ranks, lambda: peer_state.shared_tensors(self.diloco, self.optimizer),
+                               lambda specs: peer_state.destinations(self.diloco, self.optimizer, specs),
+                               (self.diloco.round, self.step))
+        if position is not None and not self.ranks.endpoint:
+            self._set_position(*position)
+            self.diloco.sync_local()
+
     # ---- the loop ------------------------------------------------------------------------------------
     def inner_step(self) -> float:
-        batch = self.batches.batch(self.step).to(self.device)
-        loss = self.model(input_ids=batch, labels=batch).loss
-        loss.backward()
+        batch = self.batches.batch(self.step)
+        mine = self.ranks.slice(batch).to(self.device)
+        loss = forward_backward(self.train_model, mine, self.cfg.inner.micro_batch_size or len(mine), self.precision)
+        loss = self.ranks.mean(loss)
         if self.cfg.inner.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.inner.grad_clip)
         self.optimizer.step()
@@ -229,7 +222,7 @@ class Trainer:
             self.history.events.append({"event": "corrupt_checkpoint", "time": time.time(), "error": str(e)})
         self.catch_up()
         if self.history.initial_eval_loss is None:
-            self.history.initial_eval_loss = evaluate(self.model, self.eval_batches, self.device)
+            self.history.initial_eval_loss = evaluate(self.model, self.eval_batches, self.device, self.precision)
             log.info("round %d: eval loss %.4f (before training)", self.diloco.round, self.history.initial_eval_loss)
         tokens_per_step = self.cfg.data.batch_size * self.cfg.data.seq_len
 
@@ -249,11 +242,11 @@ class Trainer:
                     if time.perf_counter() - last_report >= self.cfg.swarm.progress_interval:
                         last_report = time.perf_counter()
                         self._publish_progress(inner_start, len(losses))
-                        if i + 1 < cfg.inner_steps and self.averager.others_ready(self.diloco.round):
-                            log.info("round %d: peers wait to average; contributing %d of %d inner steps",
-                                     self.diloco.round + 1, i + 1, cfg.inner_steps)
-                            self._inject_faults(i + 1, stopping_early=True)
-                            break
+                    if i + 1 < cfg.inner_steps and self.averager.others_ready(self.diloco.round):
+                        log.info("round %d: peers wait to average; contributing %d of %d inner steps",
+                                 self.diloco.round + 1, i + 1, cfg.inner_steps)
+                        self._inject_faults(i + 1, stopping_early=True)
+                        break
                 compute_s = time.perf_counter() - inner_start
                 pseudo_grad = self.diloco.pseudo_gradient(self.error_feedback)
                 if not (all(map(math.isfinite, losses)) and pseudo_grad.is_finite()):
@@ -263,7 +256,8 @@ class Trainer:
                 # The outer step: average the pseudo-gradients, then commit or discard the round.
                 self._publish_progress(inner_start, len(losses), ready=True)
                 samples = self.samples_since_commit
-                dump = self._dump_inputs(pseudo_grad, samples) if self.cfg.logging.dump_tensors else None
+                dumping = self.cfg.logging.dump_tensors and self.ranks.endpoint
+                dump = self._dump_inputs(pseudo_grad, samples) if dumping else None
                 checkpoint = self.checkpointer is not None and (self.diloco.round + 1) % self.cfg.checkpoint.every == 0
                 if checkpoint:  # the AdamW moments go to disk while the round averages
                     self.checkpointer.begin(self._checkpoint_parts()[0])
@@ -305,7 +299,8 @@ class Trainer:
         if faults.step_delay > 0 and not stopping_early:
             time.sleep(faults.step_delay)
         halfway = inner_step == self.cfg.diloco.inner_steps // 2 or stopping_early
-        if faults.kill_phase == "inner" and faults.kill_round == self.diloco.round + 1 and halfway:
+        if faults.kill_phase == "inner" and faults.kill_round == self.diloco.round + 1 and halfway \
+                and faults.kill_rank in (None, self.ranks.rank):
             log.warning("fault injection: killing this peer (SIGKILL) in round %d", self.diloco.round + 1)
             os.kill(os.getpid(), signal.SIGKILL)
         if faults.nan_round == self.diloco.round + 1 and halfway and not any(
@@ -333,7 +328,7 @@ class Trainer:
         outcome.averaged = None  # the all-reduce's buffers: free them before eval and checkpoint
         eval_loss, eval_start = None, time.perf_counter()
         if committed and self.diloco.round % self.cfg.diloco.eval_every == 0:
-            eval_loss = evaluate(self.model, self.eval_batches, self.device)
+            eval_loss = evaluate(self.model, self.eval_batches, self.device, self.precision)
         eval_s = time.perf_counter() - eval_start
         record = RoundRecord(
             round=self.diloco.round, committed=committed, train_loss=train_loss, eval_loss=eval_loss,

@@ -1,4 +1,4 @@
-"""The model: seeded init, dtype, and `from_pretrained` on a local folder (no hub access)."""
+"""The model: seeded init, fp32 weights, and `from_pretrained` on a local folder (no hub access)."""
 
 import pytest
 import torch
@@ -19,9 +19,9 @@ def test_seeded_init_is_the_same_on_every_peer_and_differs_by_seed():
     assert not torch.equal(next(a.parameters()), next(other.parameters()))
 
 
-def test_bfloat16_dtype():
-    model = build_model(tiny_config(model={"dtype": "bfloat16"}).model, 256)
-    assert next(model.parameters()).dtype == torch.bfloat16
+def test_weights_are_fp32_even_for_bf16_training():
+    model = build_model(tiny_config(inner={"precision": "bf16"}).model, 256)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
 def test_from_pretrained_local_folder(tmp_path):
@@ -37,6 +37,6 @@ def test_missing_pretrained_path_is_a_usage_error(tmp_path):
         build_model(tiny_config(model={"pretrained": str(tmp_path / "nope")}).model, 256)
 
 
-def test_bad_dtype_is_rejected():
-    with pytest.raises(ConfigError, match="model.dtype"):
-        load_config(None, {"model": {"dtype": "float8"}})
+def test_retired_model_dtype_names_its_replacement():
+    with pytest.raises(ConfigError, match="'model.dtype' was replaced by inner.precision"):
+        load_config(None, {"model": {"dtype": "bfloat16"}})

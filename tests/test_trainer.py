@@ -9,8 +9,9 @@ from peers.local_trainers import simulate
 from swarm.averaging import SoloAverager
 from swarm.checkpoint import Checkpointer, CorruptCheckpoint
 from swarm.data import TrainBatches, load_corpus
+from swarm.inner import lr_lambda
 from swarm.model import build_model
-from swarm.trainer import Trainer, lr_lambda
+from swarm.trainer import Trainer
 from tests.conftest import run_cli, tiny_config
 
 

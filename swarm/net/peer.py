@@ -77,6 +77,7 @@ class SwarmAverager(Averager):
         self.peer_id = str(dht.peer_id)
         self._codec = get_codec(cfg.compression)
         self._last_progress: Optional[tuple] = None  # publish_progress arguments, re-sent by the heartbeat
+        self._ready_seen: tuple[int, float, bool] = (-1, 0.0, False)  # others_ready: (round, when asked, answer)
         self._averaged_once = False  # until a first group, peers starting with us may not have a record yet
         self._dht_lock = threading.Lock()  # the trainer's thread and the heartbeat share the DHT's pipe
         self._stopping = threading.Event()
@@ -256,8 +257,15 @@ class SwarmAverager(Averager):
         return policy.assess(self.peer_id, round, sha256, self.peers(), records, get_dht_time(), live_window(self.cfg))
 
     def others_ready(self, round: int) -> bool:
+        """Asked after every inner step; reads the DHT at most once per `progress_interval` (a fresh answer
+        is no fresher than the progress records it reads)."""
+        seen_round, asked, answer = self._ready_seen
+        if seen_round == round and time.monotonic() - asked < self.cfg.progress_interval:
+            return answer
         sha = self._last_progress[5] if self._last_progress else ""
-        return self._assess(round, sha, commits=False).others_ready
+        answer = self._assess(round, sha, commits=False).others_ready
+        self._ready_seen = (round, time.monotonic(), answer)
+        return answer
 
     # ---- state ----------------------------------------------------------------------------------------
 

@@ -1,0 +1,80 @@
+"""The inner loop's pieces, plain PyTorch: the AdamW optimizer and its schedule, one inner step over
+micro-batches under the configured precision, and the held-out eval. Nothing here knows about peers.
+
+Precision: the model's parameters are fp32 and stay fp32 (AdamW's master weights, the gradients, the
+moments); `inner.precision: bf16` runs forward and backward under `torch.autocast(dtype=bfloat16)`, the
+recipe of every DiLoCo anchor (OpenDiLoCo, torchft), instead of casting the weights themselves to bf16.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, ContextManager
+
+import torch
+
+from swarm.config import Config, InnerConfig
+from swarm.errors import UsageError
+
+
+def lr_lambda(cfg: InnerConfig, total_steps: int) -> Callable[[int], float]:
+    """Linear warmup to 1, then cosine to `min_lr_ratio` at `total_steps`."""
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def autocast(precision: str, device: str) -> Callable[[], ContextManager]:
+    """A factory of the context that forward passes run under; UsageError if `device` cannot do `precision`."""
+    if precision == "fp32":
+        return contextlib.nullcontext
+    kind = torch.device(device).type
+    if kind == "cuda" and not torch.cuda.is_bf16_supported():
+        raise UsageError(f"inner.precision bf16: device {device} ({torch.cuda.get_device_name(device)}) "
+                         f"has no bf16 support; use inner.precision fp32")
+    if kind not in ("cuda", "cpu"):
+        raise UsageError(f"inner.precision bf16: not supported on device {device}; use inner.precision fp32")
+    return lambda: torch.autocast(device_type=kind, dtype=torch.bfloat16)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    inner = cfg.inner
+    if inner.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return torch.optim.AdamW(model.parameters(), lr=inner.lr, betas=(inner.beta1, inner.beta2), eps=inner.eps,
+                             weight_decay=inner.weight_decay)
+
+
+def forward_backward(model: torch.nn.Module, batch: torch.Tensor, micro_batch_size: int,
+                     precision: Callable[[], ContextManager]) -> torch.Tensor:
+    """Accumulate into `.grad` the gradient of the mean loss over `batch`, `micro_batch_size` sequences per
+    pass; return that loss (a 0-d tensor, not synced). Every sequence has the same number of tokens, so the
+    mean of the micro-batches' mean losses is the whole batch's mean loss. `model` may be a DDP module."""
+    parts = batch.split(micro_batch_size)
+    total = torch.zeros((), device=batch.device)
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1  # under DDP, gradients are all-reduced once, in the last backward pass
+        with contextlib.nullcontext() if last else getattr(model, "no_sync", contextlib.nullcontext)():
+            with precision():
+                loss = model(input_ids=part, labels=part).loss / len(parts)
+            loss.backward()
+        total += loss.detach().float()
+    return total
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: str,
+             precision: Callable[[], ContextManager] = contextlib.nullcontext) -> float:
+    model.eval()
+    losses = []
+    for b in batches:
+        with precision():
+            losses.append(model(input_ids=b.to(device), labels=b.to(device)).loss.item())
+    model.train()
+    return sum(losses) / len(losses)

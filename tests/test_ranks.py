@@ -1,0 +1,89 @@
+"""A peer of several processes (torchrun; DDP over gloo on CPU): its ranks train as one process would and
+end on one hash; a killed two-rank peer resumes exactly; in a swarm, a rank that dies takes its peer down
+and the other peers, every rank of them, go on to one hash."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from swarm.config import load_config
+from swarm.errors import UsageError
+from swarm.ranks import Ranks, check
+from tests.conftest import ROOT, run_cli
+from tests.swarm_harness import SMALL
+
+RUN = [*SMALL, "--diloco.rounds", "3", "--diloco.inner_steps", "6", "--data.batch_size", "4"]
+
+
+def solo(out: Path, nproc: int, *extra: str):
+    return run_cli("peer", "--config", "configs/tiny.yaml", "--solo", "--nproc-per-node", str(nproc),
+                   "--out", str(out), *RUN, *extra, timeout=150)
+
+
+def summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def rank_hashes(out: Path) -> list[str]:
+    return [json.loads(p.read_text())["global_sha256"] for p in sorted((out / "ranks").glob("rank-*.json"))]
+
+
+@pytest.mark.timeout(600)
+def test_two_ranks_train_like_one_process_and_a_killed_peer_resumes_exactly(tmp_path):
+    one, two = solo(tmp_path / "one", 1), solo(tmp_path / "two", 2)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    (a,), (b,) = summary(tmp_path / "one")["peers"], summary(tmp_path / "two")["peers"]
+    assert (a["nproc"], b["nproc"]) == (1, 2) and b["tokens_per_s"] > 0
+    # DDP averages the two half-batch gradients: the step of the whole batch, up to float rounding
+    assert b["train_loss"] == pytest.approx(a["train_loss"], abs=1e-5)
+    assert b["eval_loss"] == pytest.approx(a["eval_loss"], abs=1e-5)
+    assert rank_hashes(tmp_path / "two") == [b["final_global_sha256"]] * 2
+
+    killed = solo(tmp_path / "resumed", 2, "--faults.kill_round", "3", "--faults.kill_rank", "1")
+    assert killed.returncode != 0 and not (tmp_path / "resumed" / "summary.json").exists()
+    resumed = solo(tmp_path / "resumed", 2)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
+    (c,) = summary(tmp_path / "resumed")["peers"]
+    assert c["final_global_sha256"] == b["final_global_sha256"]
+    assert rank_hashes(tmp_path / "resumed") == [b["final_global_sha256"]] * 2
+
+
+@pytest.mark.timeout(400)
+def test_local_swarm_of_two_rank_peers_survives_a_dead_rank(tmp_path):
+    result = run_cli("local", "--config", "configs/tiny.yaml", "--peers", "3", "--nproc-per-node", "2",
+                     "--rounds", "3", "--kill", "1@2", "--out", str(tmp_path), *RUN, "--faults.kill_rank", "1",
+                     timeout=380)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    done = summary(tmp_path)
+    assert "kill" in [e["event"] for e in done["events"]]
+    peers = {p["name"]: p for p in done["peers"]}
+    # peer-1's rank 0 was stopped by torchrun (SIGTERM) once rank 1 died, and wrote where it stopped
+    assert "peer-1" not in peers or peers["peer-1"]["rounds_completed"] < 3
+    live = {name: peers[name] for name in ("peer-0", "peer-2")}
+    (final,) = {p["final_global_sha256"] for p in live.values()}
+    assert all(p["rounds_completed"] == 3 and p["nproc"] == 2 for p in live.values())
+    for name in live:
+        assert rank_hashes(tmp_path / name) == [final] * 2
+
+
+def test_ranks_that_cannot_share_the_batch_or_the_devices_are_refused():
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", ["--data.batch_size", "8", "--inner.micro_batch_size", "2"])
+    check(cfg, 2)
+    with pytest.raises(UsageError, match="data.batch_size 8 is not divisible by inner.micro_batch_size 2 x "
+                                         "--nproc-per-node 3"):
+        check(cfg, 3)
+    cuda = load_config(ROOT / "configs" / "tiny.yaml", ["--diloco.device", "cuda"])
+    with pytest.raises(UsageError, match="--nproc-per-node 64 exceeds the"):
+        check(cuda, 64)
+    result = run_cli("peer", "--config", "configs/tiny.yaml", "--solo", "--nproc-per-node", "3", timeout=60)
+    assert result.returncode == 2 and "data.batch_size 8 is not divisible by --nproc-per-node 3" in result.stderr
+
+
+def test_each_rank_takes_its_own_rows_of_the_batch():
+    import torch
+
+    batch = torch.arange(8).view(8, 1)
+    rows = [Ranks(rank, 4).slice(batch).flatten().tolist() for rank in range(4)]
+    assert rows == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert Ranks.from_env({}).world_size == 1 and Ranks.from_env({"RANK": "1", "WORLD_SIZE": "2"}).rank == 1
