@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from swarm.config import load_config
 from swarm.errors import UsageError
@@ -73,16 +74,15 @@ def test_ranks_that_cannot_share_the_batch_or_the_devices_are_refused():
     with pytest.raises(UsageError, match="data.batch_size 8 is not divisible by inner.micro_batch_size 2 x "
                                          "--nproc-per-node 3"):
         check(cfg, 3)
-    cuda = load_config(ROOT / "configs" / "tiny.yaml", ["--diloco.device", "cuda"])
-    with pytest.raises(UsageError, match="--nproc-per-node 64 exceeds the"):
-        check(cuda, 64)
+    more = torch.cuda.device_count() + 1
+    cuda = load_config(ROOT / "configs" / "tiny.yaml", ["--diloco.device", "cuda", "--data.batch_size", str(8 * more)])
+    with pytest.raises(UsageError, match=f"--nproc-per-node {more} exceeds the {more - 1} CUDA devices"):
+        check(cuda, more)
     result = run_cli("peer", "--config", "configs/tiny.yaml", "--solo", "--nproc-per-node", "3", timeout=60)
     assert result.returncode == 2 and "data.batch_size 8 is not divisible by --nproc-per-node 3" in result.stderr
 
 
 def test_each_rank_takes_its_own_rows_of_the_batch():
-    import torch
-
     batch = torch.arange(8).view(8, 1)
     rows = [Ranks(rank, 4).slice(batch).flatten().tolist() for rank in range(4)]
     assert rows == [[0, 1], [2, 3], [4, 5], [6, 7]]
