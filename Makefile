@@ -28,7 +28,8 @@ lint: install
 	$(BIN)/ruff check swarm peers tests bench
 
 # Benchmarks: bench/run.py runs every module in its MODULES list (bench/<name>.py with run(quick) or main());
-# `bench-quick` passes --quick (a few minutes). Results: bench/results/<name>.json and bench/results/README.md.
+# `bench-quick` passes --quick (a few minutes). Results: bench/results/<name>.json and bench/results/README.md
+# (committed, full runs only); a quick run writes the same files under runs/bench-quick/.
 bench: install
 	$(BIN)/python -m bench.run
 

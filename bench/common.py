@@ -20,7 +20,12 @@ from swarm.inner import evaluate, lr_lambda
 from swarm.model import build_model
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
+RESULTS = REPO / "bench" / "results"  # full runs (`make bench`): committed
+QUICK_RESULTS = REPO / "runs" / "bench-quick"  # quick runs (`make bench-quick`): never over the committed results
+
+
+def results_dir(quick: bool) -> Path:
+    return QUICK_RESULTS if quick else RESULTS
 TINY_YAML = REPO / "configs" / "tiny.yaml"
 
 

@@ -21,7 +21,8 @@ from typing import Callable
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results" / "compression.json"
+from bench.common import results_dir
+
 PEERS = 4
 
 
@@ -134,8 +135,9 @@ def main() -> None:
                      "vs_none": per_round / none_bytes})
     result = {"numel": real.numel(), "tensors": len(tensors), "peers": PEERS, "quick": args.quick,
               "torch_threads": 1, "seconds": time.perf_counter() - started, "rows": rows}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
+    written = results_dir(args.quick) / "compression.json"
+    written.parent.mkdir(parents=True, exist_ok=True)
+    written.write_text(json.dumps(result, indent=2))
     print(f"\n{real.numel()} elements ({len(tensors)} tensors of configs/tiny.yaml), {PEERS}-peer all-reduce, "
           f"1 thread\n")
     print("| scheme | rel. err (real) | rel. err (gauss) | compress+decompress M el/s | bytes/elem "
@@ -147,7 +149,7 @@ def main() -> None:
             continue
         print(f"| {r['scheme']} | {r['rel_err_real']:.2e} | {r['rel_err_gauss']:.2e} | {r['mel_per_s']:.0f} "
               f"| {r['bytes_per_elem']:.3f} | {r['bytes_per_round']:,} | {r['vs_none']:.3f} |")
-    print(f"\nwritten to {RESULTS} in {result['seconds']:.0f} s")
+    print(f"\nwritten to {written} in {result['seconds']:.0f} s")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import REPO, RESULTS, md_table, stamp, tiny_config, train_plain, write_config
+from bench.common import REPO, md_table, results_dir, stamp, tiny_config, train_plain, write_config
 from peers.local_trainers import simulate
 from swarm.data import load_corpus
 from swarm.model import build_model, count_parameters
@@ -150,8 +150,8 @@ def run(quick: bool) -> dict:
              f"(|diff| {swarm['abs_diff']:.4f}), final globals identical on every peer: {swarm['identical_globals']}"
              if "eval_loss" in swarm else f"real swarm point failed: {swarm.get('error')}")
     best = min((p for p in points if p["method"] == "DiLoCo"), key=lambda p: p["eval_loss"])
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    plot(points + long, RESULTS / "convergence.png")
+    results_dir(quick).mkdir(parents=True, exist_ok=True)
+    plot(points + long, results_dir(quick) / "convergence.png")
     table += (f"\n\n{params / 1e6:.2f}M-parameter Llama, {M} workers, batch {cfg.data.batch_size}x{cfg.data.seq_len} "
               f"per worker, {steps} inner steps per worker, inner AdamW lr {cfg.inner.lr}. Best DiLoCo: H={best['H']} "
               f"olr={best['outer_lr']} at {best['eval_loss']:.4f}. {agree}. Plot: convergence.png")

@@ -1,5 +1,6 @@
 """`python -m bench.run [--quick] [--only NAME ...]`: run the benchmarks, write bench/results/<name>.json and
-bench/results/README.md (one markdown table per benchmark), and print the tables.
+bench/results/README.md (one markdown table per benchmark), and print the tables. A `--quick` run writes the
+same files under runs/bench-quick/ instead, so it never replaces the committed full-run results.
 
 Each benchmark is a module `bench/<name>.py` with `run(quick: bool) -> dict` holding a markdown 'table'
 (a `main`/`run` without arguments, or returning something else, is adapted). A module that is absent is
@@ -18,8 +19,9 @@ import json
 import sys
 import time
 import traceback
+from pathlib import Path
 
-from bench.common import RESULTS, stamp
+from bench.common import results_dir, stamp
 
 MODULES = ["convergence", "traffic", "utilization", "overhead", "allreduce", "scale", "compression"]
 TITLES = {"convergence": "1. Convergence (DiLoCo Table 2 shape)", "traffic": "2. Traffic per round",
@@ -50,7 +52,7 @@ def call(name: str, quick: bool) -> dict:
     if isinstance(out, dict) and "table" in out:
         return out
     # A main() that prints its table and writes its own json: keep that json, take the table from stdout.
-    own = RESULTS / f"{name}.json"
+    own = results_dir(quick) / f"{name}.json"
     result = json.loads(own.read_text()) if own.exists() else {}
     result = result if isinstance(result, dict) else {"returned": result}
     if isinstance(out, dict):
@@ -76,11 +78,11 @@ class Tee(io.TextIOBase):
             s.flush()
 
 
-def write_readme() -> str:
+def write_readme(results: Path) -> str:
     parts = ["# Benchmark results\n", "Written by `python -m bench.run`; raw numbers, configs and timestamps in "
              "the `<name>.json` files next to this one.\n"]
     for name in MODULES:
-        path = RESULTS / f"{name}.json"
+        path = results / f"{name}.json"
         if not path.exists():
             continue
         result = json.loads(path.read_text())
@@ -88,7 +90,7 @@ def write_readme() -> str:
         parts.append(f"## {TITLES.get(name, name)}\n\n_{mode} run, {result.get('started')}, "
                      f"{result.get('wall_s', 0):.0f} s_\n\n{result['table']}\n")
     text = "\n".join(parts)
-    (RESULTS / "README.md").write_text(text)
+    (results / "README.md").write_text(text)
     return text
 
 
@@ -98,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=MODULES, default=None, metavar="NAME",
                         help=f"run only these benchmarks ({', '.join(MODULES)})")
     args = parser.parse_args(argv)
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    results = results_dir(args.quick)
+    results.mkdir(parents=True, exist_ok=True)
     suite_start, failed = time.time(), []
     for name in args.only or MODULES:
         if importlib.util.find_spec(f"bench.{name}") is None:
@@ -113,10 +116,10 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(name)
             result = {"table": f"**failed**: `{type(e).__name__}: {e}`", "error": traceback.format_exc()}
         result.update(name=name, quick=args.quick, started=started, finished=stamp(), wall_s=time.time() - start)
-        (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
+        (results / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
         print(f"{result['table']}\n({name}: {result['wall_s']:.0f} s)\n", flush=True)
-    write_readme()
-    print(f"suite: {time.time() - suite_start:.0f} s; results in {RESULTS}/"
+    write_readme(results)
+    print(f"suite: {time.time() - suite_start:.0f} s; results in {results}/"
           + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 
