@@ -2,8 +2,8 @@
 
 Besides training it writes, into its run folder, `status.json` (round, inner step, loss; refreshed
 about once a second, for `swarm local`'s live view), `peer.json` (this peer's summary entry) and
-`summary.json`. SIGTERM and SIGINT end it cleanly: the DHT and averager shut down, the last committed
-round's checkpoint stays on disk.
+`summary.json`. SIGTERM and SIGINT end it cleanly (exit 143 and 130): the DHT and averager shut down, the
+last committed round's checkpoint is finished on disk, and `peer.json` and `summary.json` say where it stopped.
 
 Under torchrun (`--nproc-per-node K`) each of the peer's K ranks runs `run_peer`; rank 0 is the endpoint
 above, the others train alongside it (swarm/ranks.py) and each writes `ranks/rank-<k>.json` with the round
@@ -24,6 +24,7 @@ import torch
 
 from swarm.config import Config
 from swarm.data import shard_index
+from swarm.errors import Stopped
 from swarm.ranks import RankAverager, Ranks
 from swarm.report import peer_summary, write_json, write_summary
 from swarm.trainer import Trainer
@@ -46,7 +47,7 @@ class StatusFile:
 
 def _terminate_on_sigterm() -> None:
     def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise Stopped(signum)
 
     signal.signal(signal.SIGTERM, handler)
 
@@ -68,6 +69,13 @@ def run_peer(cfg: Config, out_dir: Path, name: Optional[str]) -> Path:
         return out_dir / "summary.json"
     finally:
         ranks.close()
+
+
+def _peer_json(out_dir: Path, trainer: Trainer, name: str, ranks: Ranks) -> dict:
+    summary = peer_summary(trainer.history, ranks.world_size)
+    summary["name"] = name
+    write_json(out_dir / "peer.json", summary)
+    return summary
 
 
 def write_rank(out_dir: Path, ranks: Ranks, trainer: Trainer) -> None:
@@ -116,17 +124,16 @@ def _run_endpoint(cfg: Config, out_dir: Path, name: Optional[str], ranks: Ranks)
 
         try:
             trainer.train(progress)
-        finally:
-            summary = peer_summary(trainer.history, ranks.world_size)
-            summary["name"] = name
-            write_json(out_dir / "peer.json", summary)
-        write_rank(out_dir, ranks, trainer)
-        status.update(force=True, name=name, peer_id=peer_id, state="serving", round=trainer.diloco.round, step=0,
-                      loss=None)
-        averager.finish(trainer.diloco.round)
-        status.update(force=True, name=name, peer_id=peer_id, state="done", round=trainer.diloco.round, step=0,
-                      loss=None)
-        return write_summary(out_dir, cfg.swarm.run_id, "peer", cfg.to_dict(), time.time() - start, [summary])
+            write_rank(out_dir, ranks, trainer)
+            status.update(force=True, name=name, peer_id=peer_id, state="serving", round=trainer.diloco.round,
+                          step=0, loss=None)
+            averager.finish(trainer.diloco.round)
+            status.update(force=True, name=name, peer_id=peer_id, state="done", round=trainer.diloco.round, step=0,
+                          loss=None)
+        finally:  # finished, stopped or failed: say where this peer got to
+            path = write_summary(out_dir, cfg.swarm.run_id, "peer", cfg.to_dict(), time.time() - start,
+                                 [_peer_json(out_dir, trainer, name, ranks)])
+        return path
     finally:
         if averager is not None:
             averager.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -146,9 +147,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     except (ConfigError, SwarmError) as e:
         print(f"swarm: error: {e}", file=sys.stderr)
         code = exit_code(e)
-    except KeyboardInterrupt:
-        print("swarm: interrupted", file=sys.stderr)
-        code = 130
+    except KeyboardInterrupt as e:  # Ctrl-C (SIGINT: exit 130) or swarm.errors.Stopped (SIGTERM: exit 143)
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"swarm: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        code = 128 + signum
     sys.exit(code)
 
 

@@ -16,6 +16,15 @@ class SwarmError(RuntimeError):
     exit_code = 1
 
 
+class Stopped(KeyboardInterrupt):
+    """A signal asked this process to stop (SIGTERM): it stops like on Ctrl-C (the committed round's checkpoint
+    is finished, the summary written) and exits 128 + the signal's number, 143 for SIGTERM."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
 def exit_code(error: BaseException) -> int:
     if isinstance(error, ConfigError):
         return 2
