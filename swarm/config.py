@@ -71,6 +71,9 @@ class InnerConfig:
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last inner step
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    optimizer: Literal["adamw", "adamw8bit"] = "adamw"
+    """adamw8bit: bitsandbytes' AdamW8bit, moments in 8 bits (blockwise): 2 bytes per parameter of optimizer
+    state instead of 8."""
     micro_batch_size: Optional[int] = None
     """Sequences per forward/backward pass: an inner step accumulates gradients over data.batch_size /
     micro_batch_size passes, the same step as one pass over the whole batch up to float rounding. None: the

@@ -44,11 +44,24 @@ def autocast(precision: str, device: str) -> Callable[[], ContextManager]:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    """`inner.optimizer`: torch's AdamW, or bitsandbytes' 8-bit AdamW (UsageError if it cannot run here)."""
     inner = cfg.inner
     if inner.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return torch.optim.AdamW(model.parameters(), lr=inner.lr, betas=(inner.beta1, inner.beta2), eps=inner.eps,
-                             weight_decay=inner.weight_decay)
+    kwargs = dict(lr=inner.lr, betas=(inner.beta1, inner.beta2), eps=inner.eps, weight_decay=inner.weight_decay)
+    if inner.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), **kwargs)
+    device = next(model.parameters()).device
+    try:
+        import bitsandbytes as bnb
+
+        probe = torch.nn.Parameter(torch.zeros(4096, device=device))
+        probe.grad = torch.ones_like(probe)
+        bnb.optim.AdamW8bit([probe], **kwargs).step()  # the 8-bit kernels for this device, tried once
+    except Exception as e:  # ImportError, or no kernel for this device or build
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"inner.optimizer adamw8bit: bitsandbytes cannot run on {device} here ({reason})") from None
+    return bnb.optim.AdamW8bit(model.parameters(), **kwargs)
 
 
 def forward_backward(model: torch.nn.Module, batch: torch.Tensor, micro_batch_size: int,

@@ -5,9 +5,13 @@ The shared state, in this order:
 
     global.{i}              fp32 global parameters (the committed round's values)
     momentum.{i}            fp32 outer Nesterov momentum           (absent before the first outer step)
-    adam.{i}.exp_avg        AdamW moments, in the model's dtype     (absent before the first inner step)
+    adam.{i}.exp_avg        AdamW moments, fp32                     (absent before the first inner step)
     adam.{i}.exp_avg_sq
     adam.{i}.step           float32 scalar
+
+With `inner.optimizer: adamw8bit` (bitsandbytes) the moments are `adam.{i}.state1`, `state2` (uint8, or fp32
+for tensors under 4096 elements) and `absmax1`, `absmax2` (fp32, one per block of 256); its step count is an
+int that bitsandbytes keeps per tensor, set from the peer's inner step (`set_optimizer_step`).
 
 A checkpoint adds this peer's own `error_feedback.{i}` (fp32) and `rng` (uint8) after them; those are never
 served. Every tensor received, from a file or a peer, must match a name, dtype and shape this peer expects
@@ -26,6 +30,40 @@ from swarm.diloco import DiLoCo
 from swarm.tensors import dtype_of
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
+BNB_KEYS = ("state1", "state2", "absmax1", "absmax2")
+MOMENT_KEYS = ADAM_KEYS + BNB_KEYS
+
+
+def _is_8bit(optimizer: torch.optim.Optimizer) -> bool:
+    return hasattr(optimizer, "init_state")  # bitsandbytes' Optimizer8bit family
+
+
+def _moments(optimizer: torch.optim.Optimizer, state: dict) -> dict[str, torch.Tensor]:
+    """The tensors of one parameter's optimizer state that travel, by key, in order."""
+    keys = [k for k in BNB_KEYS if k in state] if _is_8bit(optimizer) else ADAM_KEYS
+    return {k: state[k] for k in keys if isinstance(state.get(k), torch.Tensor)}
+
+
+@torch.no_grad()
+def _init_moments(optimizer: torch.optim.Optimizer) -> None:
+    """Allocate every parameter's optimizer state (zeros) where it has none yet."""
+    for gindex, group in enumerate(optimizer.param_groups):
+        for pindex, p in enumerate(group["params"]):
+            if optimizer.state.get(p):
+                continue
+            if _is_8bit(optimizer):
+                optimizer.init_state(group, p, gindex, pindex)
+            else:
+                optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                      "exp_avg_sq": torch.zeros_like(p)}
+
+
+def set_optimizer_step(optimizer: torch.optim.Optimizer, step: int) -> None:
+    """bitsandbytes counts steps in a Python int per tensor (not a tensor that travels): set it to the peer's
+    inner step, which it equals (the state is created at the first inner step and moves at every one)."""
+    for state in optimizer.state.values():
+        if isinstance(state.get("step"), int):
+            state["step"] = step
 
 
 @dataclass(frozen=True)
@@ -62,9 +100,9 @@ def shared_tensors(diloco: DiLoCo, optimizer: torch.optim.Optimizer) -> dict[str
     if momentum is not None:
         out.update({f"momentum.{i}": b for i, b in enumerate(momentum)})
     states = [optimizer.state.get(p, {}) for p in diloco.params]
-    if all(all(k in s for k in ADAM_KEYS) for s in states):
+    if all(_moments(optimizer, s) for s in states):
         for i, s in enumerate(states):
-            out.update({f"adam.{i}.{k}": s[k] for k in ADAM_KEYS})
+            out.update({f"adam.{i}.{k}": t for k, t in _moments(optimizer, s).items()})
     return out
 
 
@@ -73,25 +111,25 @@ def canonical(name: str) -> tuple:
     kind, _, rest = name.partition(".")
     index, _, key = rest.partition(".")
     order = {"global": 0, "momentum": 1, "adam": 2}.get(kind, 3)
-    return (order, kind, int(index) if index.isdigit() else -1, ADAM_KEYS.index(key) if key in ADAM_KEYS else 0)
+    return (order, kind, int(index) if index.isdigit() else -1, MOMENT_KEYS.index(key) if key in MOMENT_KEYS else 0)
 
 
-def _expected(diloco: DiLoCo, momentum: bool, adam: bool) -> list[TensorSpec]:
+def _expected(diloco: DiLoCo, optimizer: torch.optim.Optimizer, momentum: bool, adam: bool) -> list[TensorSpec]:
     specs = [TensorSpec.of(f"global.{i}", g) for i, g in enumerate(diloco.global_params)]
     if momentum:
         specs += [TensorSpec.of(f"momentum.{i}", g) for i, g in enumerate(diloco.global_params)]
     if adam:
+        _init_moments(optimizer)
         for i, p in enumerate(diloco.params):
-            specs += [TensorSpec.of(f"adam.{i}.exp_avg", p), TensorSpec.of(f"adam.{i}.exp_avg_sq", p),
-                      TensorSpec(f"adam.{i}.step", "float32", ())]
+            specs += [TensorSpec.of(f"adam.{i}.{k}", t) for k, t in _moments(optimizer, optimizer.state[p]).items()]
     return specs
 
 
-def check_specs(diloco: DiLoCo, specs: Iterable[TensorSpec]) -> None:
+def check_specs(diloco: DiLoCo, optimizer: torch.optim.Optimizer, specs: Iterable[TensorSpec]) -> None:
     """ValueError naming the first tensor of `specs` (a shared state, in order) this peer cannot take."""
     specs = list(specs)
     names = {s.name for s in specs}
-    expected = _expected(diloco, "momentum.0" in names, "adam.0.exp_avg" in names)
+    expected = _expected(diloco, optimizer, "momentum.0" in names, any(n.startswith("adam.") for n in names))
     for i, (got, want) in enumerate(zip(specs, expected)):
         if got != want:
             raise ValueError(f"tensor {i} is {got.name} {got.dtype} {list(got.shape)}, "
@@ -107,17 +145,13 @@ def destinations(diloco: DiLoCo, optimizer: torch.optim.Optimizer,
     """This peer's tensors to write an incoming shared state into, after `check_specs`; outer momentum and
     AdamW state are allocated if the incoming state has them and we do not, dropped if it has not."""
     specs = list(specs)
-    check_specs(diloco, specs)
+    check_specs(diloco, optimizer, specs)
     names = {s.name for s in specs}
     if "momentum.0" in names and diloco.momentum_buffers() is None:
         diloco.set_momentum([torch.zeros_like(g) for g in diloco.global_params])
     elif "momentum.0" not in names:
         diloco.set_momentum(None)
-    for p in diloco.params:
-        if "adam.0.exp_avg" not in names:
+    if not any(n.startswith("adam.") for n in names):
+        for p in diloco.params:
             optimizer.state.pop(p, None)
-        elif not all(k in optimizer.state.get(p, {}) for k in ADAM_KEYS):
-            optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                  "exp_avg_sq": torch.zeros_like(p)}
     return shared_tensors(diloco, optimizer)
-

@@ -107,6 +107,7 @@ class Trainer:
         for group, lr in zip(self.optimizer.param_groups, lrs):
             group["lr"] = lr
         self.scheduler._last_lr = lrs
+        peer_state.set_optimizer_step(self.optimizer, step)
 
     def snapshot(self) -> Snapshot:
         """What this peer now holds, to serve; also recorded as where it stands (summary.json)."""

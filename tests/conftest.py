@@ -1,4 +1,5 @@
-"""Shared helpers: a tiny config that trains in seconds, and a way to run the `swarm` CLI."""
+"""Shared helpers: a tiny config that trains in seconds, a way to run the `swarm` CLI, and a solo run stopped
+after a round and resumed."""
 
 from __future__ import annotations
 
@@ -35,3 +36,24 @@ def run_cli(*args: str, timeout: float = 120, cwd: Path = ROOT) -> subprocess.Co
 @pytest.fixture
 def tiny() -> Config:
     return tiny_config()
+
+
+class Interrupt(Exception):
+    pass
+
+
+def resumed_after(cfg: Config, out_dir: Path, stop_round: int):
+    """A solo Trainer stopped (by an exception, as a crash would) once round `stop_round` committed, then a
+    fresh Trainer on the same folder trained to the end: returned, to compare with an uninterrupted run."""
+    from swarm.averaging import SoloAverager
+    from swarm.trainer import Trainer
+
+    def stop(record) -> None:
+        if record.round == stop_round:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        Trainer(cfg, SoloAverager(), "b", shard=0, out_dir=out_dir, on_round=stop).train()
+    resumed = Trainer(cfg, SoloAverager(), "b", shard=0, out_dir=out_dir)
+    resumed.train()
+    return resumed

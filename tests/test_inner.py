@@ -1,6 +1,8 @@
 """The inner loop: micro-batches give the step one big batch gives, bf16 autocast keeps fp32 weights and
 optimizer state, and the shipped real-model recipes build and take inner steps (on CPU, shrunk batches)."""
 
+import sys
+
 import pytest
 import torch
 
@@ -8,7 +10,7 @@ from swarm.averaging import SoloAverager
 from swarm.config import ConfigError, load_config
 from swarm.inner import autocast
 from swarm.trainer import Trainer
-from tests.conftest import ROOT, tiny_config
+from tests.conftest import ROOT, resumed_after, tiny_config
 
 
 def _train_steps(cfg, tmp_path, name: str, steps: int) -> tuple[Trainer, list[float]]:
@@ -74,3 +76,23 @@ def test_real_recipe_loads_and_the_150m_architecture_takes_inner_steps_on_cpu(re
     history = trainer.train()
     assert len(history.rounds) == 1 and history.rounds[0].committed
     assert history.rounds[0].eval_loss < history.initial_eval_loss
+
+
+@pytest.mark.timeout(120)
+def test_adamw8bit_trains_and_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
+    cfg = tiny_config(inner={"optimizer": "adamw8bit"}, diloco={"rounds": 3, "inner_steps": 3})
+    straight = Trainer(cfg, SoloAverager(), "a", shard=0, out_dir=tmp_path / "straight")
+    history = straight.train()
+    assert history.rounds[-1].eval_loss < history.initial_eval_loss
+    moments = straight.optimizer.state[straight.model.model.embed_tokens.weight]
+    assert moments["state1"].dtype == torch.uint8 and moments["step"] == 9  # 8-bit moments, counted in ints
+
+    second = resumed_after(cfg, tmp_path / "resumed", stop_round=1)
+    assert [r.eval_loss for r in second.history.rounds] == [r.eval_loss for r in history.rounds]
+    assert second.diloco.global_sha256() == straight.diloco.global_sha256()
+
+
+def test_adamw8bit_where_bitsandbytes_cannot_run_is_a_usage_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` raises ImportError
+    with pytest.raises(ConfigError, match="inner.optimizer adamw8bit: bitsandbytes cannot run on cpu here"):
+        Trainer(tiny_config(inner={"optimizer": "adamw8bit"}), SoloAverager(), "a", shard=0, out_dir=tmp_path)

@@ -12,7 +12,7 @@ from swarm.data import TrainBatches, load_corpus
 from swarm.inner import lr_lambda
 from swarm.model import build_model
 from swarm.trainer import Trainer
-from tests.conftest import run_cli, tiny_config
+from tests.conftest import resumed_after, run_cli, tiny_config
 
 
 def reference_diloco(cfg, replicas: int) -> list[torch.Tensor]:
@@ -72,25 +72,12 @@ def test_solo_cli_lowers_eval_loss_and_writes_summary(tmp_path):
     assert "eval loss" in result.stderr
 
 
-class Interrupt(Exception):
-    pass
-
-
 @pytest.mark.timeout(120)
 def test_interrupted_and_resumed_equals_uninterrupted(tmp_path):
     cfg = tiny_config(diloco={"rounds": 4, "inner_steps": 3})
     straight = Trainer(cfg, SoloAverager(), "a", shard=0, out_dir=tmp_path / "straight")
     straight.train()
-
-    def stop_after_round_2(record):
-        if record.round == 2:
-            raise Interrupt
-
-    first = Trainer(cfg, SoloAverager(), "b", shard=0, out_dir=tmp_path / "resumed", on_round=stop_after_round_2)
-    with pytest.raises(Interrupt):
-        first.train()
-    second = Trainer(cfg, SoloAverager(), "b", shard=0, out_dir=tmp_path / "resumed")
-    second.train()
+    second = resumed_after(cfg, tmp_path / "resumed", stop_round=2)
 
     ours = [(r.train_loss, r.eval_loss) for r in second.history.rounds]
     ref = [(r.train_loss, r.eval_loss) for r in straight.history.rounds]
