@@ -83,12 +83,14 @@ def _read_json(path: Path) -> Optional[dict]:
         return None
 
 
-def _status_line(peers: list[Child], rounds: int, inner_steps: int) -> str:
+def _status_line(peers: list[Child], rounds: int, inner_steps: int, held: dict[str, tuple[Path, int]]) -> str:
     cells = []
     for child in peers:
         s = _read_json(child.out_dir / "status.json") or {}
         loss = s.get("loss")
         state = "exited" if child.proc.poll() is not None else s.get("state", "starting")
+        if child.name in held:
+            state = f"joins at round {held[child.name][1]}"
         cells.append(f"{child.name}: r{s.get('round', 0)}/{rounds} s{s.get('step', 0)}/{inner_steps} "
                      f"loss {'-' if loss is None else f'{loss:.3f}'} {state}")
     return " | ".join(cells)
@@ -119,11 +121,15 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int,
         if not (0 <= k.peer < n_peers and 1 <= k.round <= cfg.diloco.rounds):
             raise UsageError(f"--kill {k.peer}@{k.round}: no peer {k.peer} or round {k.round} in this swarm")
     pending_joins = sorted(joins)
+    for round_ in pending_joins:
+        if not 1 <= round_ <= cfg.diloco.rounds:
+            raise UsageError(f"--join {round_}: this swarm has rounds 1..{cfg.diloco.rounds}")
     start = time.time()
     out_dir.mkdir(parents=True, exist_ok=True)
     children: list[Child] = []
     peers: list[Child] = []
     events: list[dict] = []
+    held: dict[str, tuple[Path, int]] = {}  # joiners not let in yet: their hold file, the round they join at
 
     def event(kind: str, **fields) -> None:
         events.append({"event": kind, "time": time.time(), **fields})
@@ -152,15 +158,26 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int,
         for i in range(n_peers):
             k = kill_plan.get(i)
             start_peer(i, *(["--faults.kill_round", str(k.round), "--faults.kill_phase", k.phase] if k else []))
-        print(f"started {n_peers} peers; logs in {out_dir}/peer-*/log.txt", flush=True)
+        # Joiners start now, held until the swarm has committed the round before theirs: a process start-up
+        # takes seconds (more on a loaded machine) and must not race the rounds it is meant to join.
+        for round_ in pending_joins:
+            hold = out_dir / f"peer-{len(peers)}" / "hold"
+            hold.parent.mkdir(parents=True, exist_ok=True)
+            hold.touch()
+            child = start_peer(len(peers), "--faults.hold_round", "0", "--faults.hold_file", str(hold))
+            held[child.name] = (hold, round_)
+        print(f"started {n_peers} peers{f' and {len(held)} joiners' if held else ''}; "
+              f"logs in {out_dir}/peer-*/log.txt", flush=True)
 
         interactive, last_print, seen_dead = sys.stdout.isatty(), 0.0, set()
-        while any(p.proc.poll() is None for p in peers):
+        while any(p.proc.poll() is None for p in peers if p.name not in held):
             statuses = [_read_json(p.out_dir / "status.json") or {} for p in peers]
             committed = max((s.get("round", 0) for s in statuses), default=0)
-            while pending_joins and committed >= pending_joins[0] - 1:
-                child = start_peer(len(peers))
-                event("join", peer=child.name, round=pending_joins.pop(0))
+            for name, (hold, round_) in sorted(held.items(), key=lambda item: item[1][1]):
+                if committed >= round_ - 1:
+                    hold.unlink()
+                    del held[name]
+                    event("join", peer=name, round=round_)
             for p in peers:
                 if p.proc.poll() is not None and p.name not in seen_dead:
                     seen_dead.add(p.name)
@@ -168,7 +185,7 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int,
                     # a killed rank of a multi-process peer ends its torchrun with status 1
                     if k is not None and p.proc.returncode in (-signal.SIGKILL, 1 if nproc > 1 else -signal.SIGKILL):
                         event("kill", peer=p.name, round=k.round, phase=k.phase)
-            line = _status_line(peers, cfg.diloco.rounds, cfg.diloco.inner_steps)
+            line = _status_line(peers, cfg.diloco.rounds, cfg.diloco.inner_steps, held)
             if interactive:
                 print("\r\033[K" + line[: os.get_terminal_size().columns - 1], end="", flush=True)
             elif time.time() - last_print >= 10:
@@ -177,10 +194,11 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int,
             time.sleep(0.5)
         if interactive:
             print()
-        for round_ in pending_joins:
-            event("join_skipped", round=round_, reason="the swarm finished before that round")
+        for name, (_, round_) in held.items():
+            event("join_skipped", peer=name, round=round_, reason="the swarm finished before that round")
+        stop_children([p for p in peers if p.name in held])  # they never took part
         killed = {e["peer"] for e in events if e["event"] == "kill"}
-        failed = [p for p in peers if p.proc.returncode != 0 and p.name not in killed]
+        failed = [p for p in peers if p.proc.returncode != 0 and p.name not in killed and p.name not in held]
         for p in failed:
             tail = (p.out_dir / "log.txt").read_text().strip().splitlines()[-1:]
             print(f"{p.name} exited with status {p.proc.returncode}: {tail[0] if tail else ''}", flush=True)
@@ -188,7 +206,7 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int,
         stop_children(children)
 
     summaries = []
-    for p in peers:
+    for p in (p for p in peers if p.name not in held):
         summary = _read_json(p.out_dir / "peer.json")
         if summary is not None:
             summaries.append(summary)

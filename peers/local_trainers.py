@@ -13,7 +13,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from swarm.averaging import SimAverager, SoloAverager
 from swarm.config import Config
-from swarm.ranks import RankAverager, Ranks
+from swarm.ranks import Ranks
 from swarm.report import format_table, peer_summary, write_summary
 from swarm.trainer import Trainer
 
@@ -30,8 +30,7 @@ def run_solo(cfg: Config, out_dir: Path) -> Path:
     ranks.init(cfg)
     try:
         shard = cfg.data.shard if cfg.data.shard is not None else 0
-        averager = RankAverager(ranks, SoloAverager() if ranks.endpoint else None, networked=False) \
-            if ranks.distributed else SoloAverager()
+        averager = ranks.averager(SoloAverager() if ranks.endpoint else None, networked=False)
         trainer = Trainer(cfg, averager, peer_id="solo", shard=shard, out_dir=out_dir, ranks=ranks)
         total = cfg.diloco.rounds * cfg.diloco.inner_steps
         with logging_redirect_tqdm(), tqdm(total=total, initial=0, desc="solo", unit="step",

@@ -25,7 +25,7 @@ import torch
 from swarm.config import Config
 from swarm.data import shard_index
 from swarm.errors import Stopped
-from swarm.ranks import RankAverager, Ranks
+from swarm.ranks import Ranks
 from swarm.report import peer_summary, write_json, write_summary
 from swarm.trainer import Trainer
 
@@ -62,7 +62,7 @@ def run_peer(cfg: Config, out_dir: Path, name: Optional[str]) -> Path:
         if ranks.endpoint:
             return _run_endpoint(cfg, out_dir, name, ranks)
         name, peer_id = ranks.share(None)
-        trainer = Trainer(cfg, RankAverager(ranks, None, networked=True), peer_id=peer_id,
+        trainer = Trainer(cfg, ranks.averager(None, networked=True), peer_id=peer_id,
                           shard=shard_index(cfg.data, cfg.swarm.run_id, name), out_dir=out_dir, ranks=ranks)
         trainer.train()
         write_rank(out_dir, ranks, trainer)
@@ -116,7 +116,7 @@ def _run_endpoint(cfg: Config, out_dir: Path, name: Optional[str], ranks: Ranks)
             status.update(force=True, name=name, peer_id=peer_id, state="training", round=record.round,
                           step=0, loss=record.train_loss, eval_loss=record.eval_loss, committed=record.committed)
 
-        trainer = Trainer(cfg, RankAverager(ranks, averager, networked=True) if ranks.distributed else averager,
+        trainer = Trainer(cfg, ranks.averager(averager, networked=True),
                           peer_id=peer_id, shard=shard, out_dir=out_dir, on_round=on_round, ranks=ranks)
 
         def progress(round_: int, step: int, loss: float) -> None:

@@ -165,13 +165,18 @@ class LoggingConfig:
 
 @dataclass
 class FaultsConfig:
-    """Fault injection for tests and demos (`swarm local --kill`): this peer SIGKILLs itself."""
+    """Fault injection for tests and demos (`swarm local --kill/--join`), applied by the peer to itself."""
 
     kill_round: Optional[int] = None  # die while working towards this round (1-based outer step)
     kill_phase: Literal["inner", "allreduce"] = "inner"  # mid inner steps, or inside the all-reduce
     step_delay: float = 0.0  # extra seconds per inner step: a slow peer (straggler)
     nan_round: Optional[int] = None  # this peer's local model turns NaN halfway through this round (1-based)
     kill_rank: Optional[int] = None  # a multi-process peer: only this rank kills itself (None: every rank)
+    # While `hold_file` exists, wait before working towards round `hold_round` (0: before joining the swarm at
+    # all, publishing nothing). A test or `swarm local --join` starts the peer early and lets it go on cue, so
+    # that a process start-up (seconds, more on a loaded machine) never races the swarm's rounds.
+    hold_round: Optional[int] = None
+    hold_file: str = ""
 
 
 @dataclass
@@ -351,6 +356,9 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"swarm.{name} must be a positive number of seconds")
     if not s.min_bandwidth > 0:
         raise ConfigError(f"swarm.min_bandwidth must be a positive number of bytes/s, got {s.min_bandwidth}")
+    f = cfg.faults
+    if (f.hold_round is None) != (not f.hold_file) or (f.hold_round is not None and f.hold_round < 0):
+        raise ConfigError("faults.hold_round (a round >= 0) and faults.hold_file go together")
     if s.progress_expiration <= live_window(s):
         raise ConfigError(f"swarm.progress_expiration {s.progress_expiration:g} must exceed the {live_window(s):g} s "
                           f"after which a silent peer counts as gone (5 x progress_interval + 2 x request_timeout)")

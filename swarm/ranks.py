@@ -101,6 +101,11 @@ class Ranks:
         dist.all_reduce(value, group=self._group_of(value))
         return value / self.world_size
 
+    def averager(self, endpoint: Optional[Averager], networked: bool) -> Averager:
+        """What this rank's trainer averages with: `endpoint` itself in a one-process peer, else a RankAverager
+        (rank 0 passes its endpoint, the other ranks None)."""
+        return RankAverager(self, endpoint, networked) if self.distributed else endpoint
+
     def share(self, value: Any) -> Any:
         """Rank 0's `value` (a small picklable object) on every rank."""
         if not self.distributed:

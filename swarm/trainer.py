@@ -111,8 +111,9 @@ class Trainer:
 
     def snapshot(self) -> Snapshot:
         """What this peer now holds, to serve; also recorded as where it stands (summary.json)."""
-        self.history.final_round, self.history.final_global_sha256 = self.diloco.round, self.diloco.global_sha256()
-        return Snapshot(self.diloco.round, self.diloco.global_sha256(), {"round": self.diloco.round, "step": self.step},
+        sha = self.diloco.global_sha256()
+        self.history.final_round, self.history.final_global_sha256 = self.diloco.round, sha
+        return Snapshot(self.diloco.round, sha, {"round": self.diloco.round, "step": self.step},
                         peer_state.shared_tensors(self.diloco, self.optimizer), self.diloco.version,
                         lambda: self.diloco.version)
 
@@ -214,6 +215,7 @@ class Trainer:
 
     def train(self, progress: Optional[Callable[[int, int, float], None]] = None) -> PeerHistory:
         cfg = self.cfg.diloco
+        self._hold(0)
         try:
             self.resume()
         except CorruptCheckpoint as e:
@@ -229,6 +231,7 @@ class Trainer:
 
         try:
             while self.diloco.round < cfg.rounds:
+                self._hold(self.diloco.round + 1)
                 # H inner steps: plain PyTorch on this peer's shard. A straggler stops early once a faster peer
                 # waits to average, and contributes the steps it has (the average is weighted by samples).
                 start, losses, last_report = time.perf_counter(), [], 0.0
@@ -292,6 +295,20 @@ class Trainer:
         samples_per_s = steps * self.cfg.data.batch_size / max(1e-9, time.perf_counter() - start)
         self.averager.publish_progress(self.diloco.round, self.step, self.samples_since_commit, samples_per_s, ready,
                                        self.diloco.global_sha256())
+
+    def _hold(self, round: int) -> None:
+        """`faults.hold_round`: wait while `faults.hold_file` exists before working towards `round` (0: before
+        joining the swarm). A held peer that already takes part stays live and serves its state."""
+        faults = self.cfg.faults
+        if faults.hold_round != round or not os.path.exists(faults.hold_file):
+            return
+        log.warning("fault injection: holding before round %d while %s exists", round, faults.hold_file)
+        if round > 0:
+            self.averager.publish_progress(self.diloco.round, self.step, self.samples_since_commit, 0.0,
+                                           sha256=self.diloco.global_sha256())
+        while os.path.exists(faults.hold_file):
+            time.sleep(0.2)
+        log.info("fault injection: released before round %d", round)
 
     def _inject_faults(self, inner_step: int, stopping_early: bool = False) -> None:
         """`faults` config: sleep like a slow peer, SIGKILL this process or turn its local model NaN halfway

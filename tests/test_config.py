@@ -47,6 +47,8 @@ def test_overrides_in_both_forms():
     (["--swarm.min_bandwidth", "0"], "swarm.min_bandwidth"),
     (["--swarm.stall_timeout", "-1"], "swarm.stall_timeout"),
     (["--swarm.progress_expiration", "5"], "swarm.progress_expiration"),
+    (["--faults.hold_round", "2"], "faults.hold_round"),
+    (["--faults.hold_file", "x"], "faults.hold_round"),
     (["--swarm.allreduce_timeout", "60"], "swarm.allreduce_timeout' was replaced by swarm.stall_timeout"),
 ])
 def test_bad_overrides_name_the_culprit(overrides, culprit):

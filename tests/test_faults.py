@@ -35,11 +35,11 @@ def assert_rounds_agree(summaries: list[dict], rounds: int) -> None:
     assert len({p["final_global_sha256"] for p in summaries}) == 1
 
 
-def two_peers(swarm, rounds: int, *b_faults: str):
+def two_peers(swarm, rounds: int, *b_faults: str, a_faults: tuple[str, ...] = ()):
     """Peers a (shard 0) and b (shard 1, with `b_faults` overrides) of one group of 2; returns (a, b, args)."""
     args = ["--diloco.rounds", str(rounds), "--diloco.inner_steps", "6", "--swarm.target_group_size", "2"]
     swarm.start_bootstrap()
-    a = swarm.start_peer("a", *args, "--data.shard", "0")
+    a = swarm.start_peer("a", *args, "--data.shard", "0", *a_faults)
     return a, swarm.start_peer("b", *args, "--data.shard", "1", *b_faults), args
 
 
@@ -74,15 +74,25 @@ def test_local_swarm_kill_inside_allreduce_and_join(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("checkpoint", ["intact", "corrupt"])
 def test_crash_and_restart_resumes_and_catches_up(tmp_path, checkpoint):
+    """b dies in round 3 and restarts on its folder; a holds before round 4 until b is back (a restart takes
+    seconds, a tiny round less: without the hold a could finish all rounds first, and b rightly stop)."""
+    hold = tmp_path / "hold-a"
+    hold.touch()
     with local_swarm(tmp_path) as swarm:
-        a, b, args = two_peers(swarm, 5, "--faults.kill_round", "3")
+        a, b, args = two_peers(swarm, 5, "--faults.kill_round", "3",
+                               a_faults=("--faults.hold_round", "4", "--faults.hold_file", str(hold)))
         b.proc.wait(timeout=200)
         assert b.proc.returncode == -signal.SIGKILL
         saved = tmp_path / "b" / "checkpoint" / "checkpoint.pt"
         assert saved.exists()
         if checkpoint == "corrupt":
             saved.write_bytes(saved.read_bytes()[:1000])
+        (tmp_path / "b" / "status.json").unlink()  # b2 writes its own
         b2 = swarm.start_peer("b", *args, "--data.shard", "1")  # same folder: resume, then catch up
+        deadline = time.time() + 120
+        while read_status(b2).get("state") != "training" and b2.proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        hold.unlink()
         swarm.wait([a, b2], timeout=240)
         assert a.proc.returncode == 0 and b2.proc.returncode == 0, swarm.log(b2)[-3000:]
         log = swarm.log(b2)

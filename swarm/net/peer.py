@@ -297,6 +297,9 @@ class SwarmAverager(Averager):
                 live = [r for r in self.peers() if r.peer_id != self.peer_id and r.serves_state
                         and r.round >= round and policy.is_live(r, get_dht_time(), live_window(self.cfg))]
                 candidates = [r.peer_id for r in sorted(live, key=lambda r: (-r.round, random.random()))]
+            if position.verdict is policy.Verdict.UNSURE and not candidates and time.monotonic() < deadline:
+                time.sleep(self.cfg.progress_interval)  # our own fresh record is not readable yet: read again
+                continue
             if not needed and not candidates:
                 return None
             for peer_id in candidates:
