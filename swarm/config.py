@@ -104,6 +104,11 @@ class DilocoConfig:
     device: str = "cpu"
     global_device: str = "cpu"  # where the fp32 global parameters and outer momentum live
     threads: int = 0  # torch intra-op threads for this peer; 0 leaves torch's default
+    # Inner steps by which a round's outer step trails its end (swarm/overlap.py): 0 stops computing while the
+    # peers average; tau >= 1 averages round r behind the first tau inner steps of round r+1 and applies the
+    # result after them, waiting there if it has not arrived. Pick tau so that tau inner steps outlast a round's
+    # matchmaking and all-reduce.
+    delay: int = 0
 
 
 @dataclass
@@ -356,6 +361,9 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"swarm.{name} must be a positive number of seconds")
     if not s.min_bandwidth > 0:
         raise ConfigError(f"swarm.min_bandwidth must be a positive number of bytes/s, got {s.min_bandwidth}")
+    if not 0 <= cfg.diloco.delay < cfg.diloco.inner_steps:
+        raise ConfigError(f"diloco.delay {cfg.diloco.delay} must be in [0, diloco.inner_steps = "
+                          f"{cfg.diloco.inner_steps}): a round's outer step lands inside the next round")
     f = cfg.faults
     if (f.hold_round is None) != (not f.hold_file) or (f.hold_round is not None and f.hold_round < 0):
         raise ConfigError("faults.hold_round (a round >= 0) and faults.hold_file go together")

@@ -79,8 +79,11 @@ class DiLoCo:
         return [torch.empty_like(g) for g in self.global_params]
 
     @torch.no_grad()
-    def outer_step(self, averaged: Sequence[torch.Tensor]) -> None:
-        """Apply the outer optimizer with `averaged` as the gradient, then reset the local model to global."""
+    def outer_step(self, averaged: Sequence[torch.Tensor],
+                   rebase_from: Optional[Sequence[torch.Tensor]] = None) -> None:
+        """Apply the outer optimizer with `averaged` as the gradient, then reset the local model to global; or,
+        with `rebase_from` (the local parameters the pseudo-gradient was taken from, see swarm/overlap.py), move
+        the local model by new global - `rebase_from`, keeping the inner steps it took since."""
         if len(averaged) != len(self.global_params):
             raise ValueError(f"averaged pseudo-gradient has {len(averaged)} tensors, "
                              f"expected {len(self.global_params)}")
@@ -94,7 +97,11 @@ class DiLoCo:
             for g in self.global_params:
                 g.grad = None
             self.round += 1
-        self.sync_local()
+        if rebase_from is None:
+            self.sync_local()
+        else:
+            for p, g, base in zip(self.params, self.global_params, rebase_from):
+                p.add_((g - base).to(p.device, p.dtype))
 
     def changing(self):
         """Context for any change to the global parameters or the outer momentum (see `version`)."""

@@ -134,6 +134,9 @@ def check(cfg: Config, nproc: int) -> None:
     if cfg.data.batch_size % (nproc * (micro or 1)):
         by = f"inner.micro_batch_size {micro} x --nproc-per-node {nproc}" if micro else f"--nproc-per-node {nproc}"
         raise UsageError(f"data.batch_size {cfg.data.batch_size} is not divisible by {by}")
+    if nproc > 1 and cfg.diloco.delay:
+        # a background exchange would run collectives on the ranks' process group beside the inner steps' own
+        raise UsageError(f"diloco.delay {cfg.diloco.delay} runs in one-process peers only (--nproc-per-node 1)")
     if torch.device(cfg.diloco.device).type == "cuda":
         available = torch.cuda.device_count()
         if nproc > available:

@@ -4,10 +4,11 @@ summary.json holds `run`, `mode`, `config` (resolved), `wall_s`, `events`, and `
 `peer_id`, `rounds_completed` and `final_global_sha256` (the round and hash it ended on, committed or
 downloaded from a peer), `round_hashes` (global-parameter sha256 after each committed round),
 `initial_eval_loss`, `train_loss` and `eval_loss` (per committed round), `compute_s`, `comm_s`,
-`overhead_s`, `bytes_sent`, `bytes_received` (all-reduce payload, totals), `peak_rss_bytes` (the peer
-process's peak resident memory, read by the peer itself) and `rounds` (every round record, discarded ones
-included, with its own byte counts and `overhead_s`: the round's time outside inner steps and
-matchmaking + all-reduce).
+`wait_s` (with diloco.delay: the time inner steps stopped for an exchange that ran behind them; comm_s then
+runs in the background), `overhead_s`, `bytes_sent`, `bytes_received` (all-reduce payload, totals),
+`peak_rss_bytes` (the peer process's peak resident memory, read by the peer itself) and `rounds` (every
+round record, discarded ones included, with its own byte counts and `overhead_s`: the round's time outside
+inner steps and matchmaking + all-reduce).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import resource
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from swarm.trainer import PeerHistory
+from swarm.history import PeerHistory
 
 
 def peak_rss_bytes() -> int:
@@ -42,6 +43,7 @@ def peer_summary(history: PeerHistory, nproc: int = 1) -> dict[str, Any]:
         "tokens_per_s": sum(r.tokens_per_s * r.compute_s for r in history.rounds) / compute_s if compute_s else 0.0,
         "compute_s": compute_s,
         "comm_s": sum(r.comm_s for r in history.rounds),
+        "wait_s": sum(r.wait_s for r in history.rounds),
         "overhead_s": sum(r.overhead_s for r in history.rounds),
         "peak_rss_bytes": peak_rss_bytes(),
         "bytes_sent": sum(r.bytes_sent for r in history.rounds),

@@ -15,7 +15,6 @@ import math
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -28,46 +27,15 @@ from swarm.config import Config
 from swarm.data import TrainBatches, load_corpus
 from swarm.diloco import DiLoCo, PseudoGradient
 from swarm.errors import SwarmError
+from swarm.history import PeerHistory, RoundRecord, history_from_dict, history_to_dict
 from swarm.inner import autocast, build_optimizer, evaluate, forward_backward, lr_lambda
 from swarm.model import build_model, count_parameters
+from swarm.overlap import Exchange
 from swarm.ranks import SINGLE, Ranks, share_state
 from swarm.state import TensorSpec
 from swarm.tensors import dtype_of
 
 log = logging.getLogger("swarm.trainer")
-
-
-@dataclass
-class RoundRecord:
-    """What one committed (or discarded) round leaves in the log and in summary.json."""
-
-    round: int  # the outer step this record closes (1-based after commit)
-    committed: bool
-    train_loss: float
-    eval_loss: Optional[float]
-    global_sha256: str
-    group_size: int
-    samples: int
-    compute_s: float  # inner steps
-    comm_s: float  # matchmaking and all-reduce
-    bytes_sent: int
-    bytes_received: int
-    tokens_per_s: float
-    note: str = ""
-    time: float = 0.0  # unix time when the round closed
-    overhead_s: float = 0.0  # the rest of the round: outer step, hashing, eval, checkpoint, state download
-    eval_s: float = 0.0  # of overhead_s, the held-out eval
-    allreduce_s: float = 0.0  # of comm_s, the all-reduce that committed the round
-
-
-@dataclass
-class PeerHistory:
-    peer_id: str
-    initial_eval_loss: Optional[float] = None
-    rounds: list[RoundRecord] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)
-    final_round: int = 0  # the round and hash this peer holds now: committed, resumed or downloaded
-    final_global_sha256: Optional[str] = None
 
 
 class Trainer:
@@ -136,8 +104,11 @@ class Trainer:
         for i, e in enumerate(self.error_feedback or []):
             rest[f"error_feedback.{i}"] = e
         rest["rng"] = torch.get_rng_state()
-        meta = {"round": self.diloco.round, "step": self.step, "samples_since_commit": self.samples_since_commit,
-                "history": _history_to_dict(self.history)}
+        # With diloco.delay the local model runs ahead of the committed round; a checkpoint holds the committed
+        # state only, so a resumed peer restarts its local model from it and counts no samples yet.
+        samples = 0 if self.cfg.diloco.delay else self.samples_since_commit
+        meta = {"round": self.diloco.round, "step": self.step, "samples_since_commit": samples,
+                "history": history_to_dict(self.history)}
         return inner, rest, meta
 
     def save_checkpoint(self) -> None:
@@ -167,7 +138,7 @@ class Trainer:
         self._set_position(meta["round"], meta["step"])
         self.samples_since_commit = meta["samples_since_commit"]
         self.diloco.sync_local()
-        self.history = _history_from_dict(meta["history"])
+        self.history = history_from_dict(meta["history"])
         torch.set_rng_state(extras["rng"])
         feedback = sorted((k for k in extras if k.startswith("error_feedback.")), key=lambda k: int(k.split(".")[1]))
         self.error_feedback = [extras[k] for k in feedback] or None
@@ -229,9 +200,11 @@ class Trainer:
             log.info("round %d: eval loss %.4f (before training)", self.diloco.round, self.history.initial_eval_loss)
         tokens_per_step = self.cfg.data.batch_size * self.cfg.data.seq_len
 
+        # diloco.delay: the last round's exchange, averaging behind this round's first inner steps (swarm/overlap.py)
+        exchange: Optional[Exchange] = None
         try:
-            while self.diloco.round < cfg.rounds:
-                self._hold(self.diloco.round + 1)
+            while self.diloco.round + (exchange is not None) < cfg.rounds:
+                self._hold(self.diloco.round + 1 + (exchange is not None))
                 # H inner steps: plain PyTorch on this peer's shard. A straggler stops early once a faster peer
                 # waits to average, and contributes the steps it has (the average is weighted by samples).
                 start, losses, last_report = time.perf_counter(), [], 0.0
@@ -245,13 +218,21 @@ class Trainer:
                         progress(self.diloco.round, i + 1, losses[-1])
                     if time.perf_counter() - last_report >= self.cfg.swarm.progress_interval:
                         last_report = time.perf_counter()
-                        self._publish_progress(inner_start, len(losses))
-                    if i + 1 < cfg.inner_steps and self.averager.others_ready(self.diloco.round):
+                        self._publish_progress(inner_start, len(losses), ready=exchange is not None)
+                    if exchange is not None and i + 1 == cfg.delay:  # the last round's outer step lands here
+                        self._settle(exchange)
+                        exchange = None
+                    if i + 1 < cfg.inner_steps and exchange is None and self.averager.others_ready(self.diloco.round):
                         log.info("round %d: peers wait to average; contributing %d of %d inner steps",
                                  self.diloco.round + 1, i + 1, cfg.inner_steps)
                         self._inject_faults(i + 1, stopping_early=True)
                         break
                 compute_s = time.perf_counter() - inner_start
+                if exchange is not None:  # a round cut short before `delay` inner steps
+                    self._settle(exchange)
+                    exchange = None
+                if self.diloco.round >= cfg.rounds:  # a state taken meanwhile ended the run
+                    break
                 pseudo_grad = self.diloco.pseudo_gradient(self.error_feedback)
                 if not (all(map(math.isfinite, losses)) and pseudo_grad.is_finite()):
                     self._recover_from_non_finite(losses)
@@ -261,22 +242,43 @@ class Trainer:
                 self._publish_progress(inner_start, len(losses), ready=True)
                 samples = self.samples_since_commit
                 dumping = self.cfg.logging.dump_tensors and self.ranks.endpoint
+                facts = dict(train_loss=sum(losses) / len(losses), compute_s=compute_s, start=start,
+                             tokens_per_s=tokens_per_step * len(losses) / compute_s)
+                if cfg.delay:
+                    exchange = Exchange(self.diloco, self.averager, samples, self.error_feedback, **facts)
+                    exchange.dump = self._dump_inputs(exchange.pseudo_grad, samples) if dumping else None
+                    continue
                 dump = self._dump_inputs(pseudo_grad, samples) if dumping else None
-                checkpoint = self.checkpointer is not None and (self.diloco.round + 1) % self.cfg.checkpoint.every == 0
+                checkpoint = self._checkpoint_due()
                 if checkpoint:  # the AdamW moments go to disk while the round averages
                     self.checkpointer.begin(self._checkpoint_parts()[0])
                 outcome = self.averager.average(self.diloco.round, pseudo_grad, samples, self.diloco.outer_grads(),
                                                 self.diloco.global_sha256())
-                record = self._close_round(outcome, sum(losses) / len(losses), compute_s,
-                                           tokens_per_step * len(losses) / compute_s, start, checkpoint)
-                if dump is not None:
-                    self._dump(record, *dump)
-                if self.on_round is not None:
-                    self.on_round(record)
+                self._after_round(self._close_round(outcome, checkpoint, **facts), dump)
+            if exchange is not None:
+                self._settle(exchange)
         finally:  # however training stops, a committed checkpoint is finished and a begun one dropped
             if self.checkpointer is not None:
                 self.checkpointer.close()
         return self.history
+
+    def _checkpoint_due(self) -> bool:
+        return self.checkpointer is not None and (self.diloco.round + 1) % self.cfg.checkpoint.every == 0
+
+    def _settle(self, exchange: Exchange) -> None:
+        """diloco.delay: commit or discard the round of the exchange in flight, waiting for it if need be."""
+        outcome, wait_s = exchange.result()
+        if outcome.averaged is not None:
+            self.samples_since_commit -= exchange.samples  # what the inner steps since then add stays
+        record = self._close_round(outcome, self._checkpoint_due(), rebase_from=exchange.snapshot, wait_s=wait_s,
+                                   launch_s=exchange.launch_s, **exchange.facts)
+        self._after_round(record, exchange.dump)
+
+    def _after_round(self, record: RoundRecord, dump: Optional[tuple]) -> None:
+        if dump is not None:
+            self._dump(record, *dump)
+        if self.on_round is not None:
+            self.on_round(record)
 
     def _recover_from_non_finite(self, losses: list[float]) -> None:
         """The local model went NaN/Inf: stop announcing readiness, take the swarm's state or stop (SwarmError)."""
@@ -327,15 +329,19 @@ class Trainer:
             with torch.no_grad():
                 self.diloco.params[0].fill_(float("nan"))
 
-    def _close_round(self, outcome: RoundOutcome, train_loss: float, compute_s: float, tokens_per_s: float,
-                     start: float, checkpoint: bool) -> RoundRecord:
-        committed = outcome.averaged is not None
-        if checkpoint and not committed:
+    def _close_round(self, outcome: RoundOutcome, checkpoint: bool, train_loss: float, compute_s: float,
+                     tokens_per_s: float, start: float, rebase_from: Optional[list[torch.Tensor]] = None,
+                     wait_s: float = 0.0, launch_s: float = 0.0) -> RoundRecord:
+        """Commit the round (outer step; with `rebase_from`, a delayed round: the local model keeps the inner steps
+        taken since, see swarm/overlap.py), or take the swarm's state, or discard it and keep local progress."""
+        committed, close_start = outcome.averaged is not None, time.perf_counter()
+        if checkpoint and rebase_from is None and not committed:
             self.checkpointer.abort()
         if committed:
             self._settle_checkpoint()
-            self.diloco.outer_step(outcome.averaged)
-            self.samples_since_commit = 0
+            self.diloco.outer_step(outcome.averaged, rebase_from)
+            if rebase_from is None:
+                self.samples_since_commit = 0
             self.error_feedback = outcome.residual if self.cfg.swarm.error_feedback else None
         elif outcome.behind:
             log.warning("round %d: %s", self.diloco.round + 1, outcome.note)
@@ -343,7 +349,6 @@ class Trainer:
         else:
             log.warning("round %d discarded (%s): keeping local progress for the next attempt",
                         self.diloco.round + 1, outcome.note)
-        outcome.averaged = None  # the all-reduce's buffers: free them before eval and checkpoint
         eval_loss, eval_start = None, time.perf_counter()
         if committed and self.diloco.round % self.cfg.diloco.eval_every == 0:
             eval_loss = evaluate(self.model, self.eval_batches, self.device, self.precision)
@@ -354,15 +359,21 @@ class Trainer:
             samples=outcome.total_samples, compute_s=compute_s, comm_s=outcome.comm_s,
             allreduce_s=outcome.allreduce_s,
             bytes_sent=outcome.bytes_sent, bytes_received=outcome.bytes_received,
-            tokens_per_s=tokens_per_s, note=outcome.note, time=time.time(), eval_s=eval_s,
+            tokens_per_s=tokens_per_s, note=outcome.note, time=time.time(), eval_s=eval_s, wait_s=wait_s,
         )
         self.history.rounds.append(record)
         if checkpoint and committed:  # the rest goes to disk while the next round's inner steps run
-            _, rest, meta = self._checkpoint_parts()
+            inner, rest, meta = self._checkpoint_parts()
+            if rebase_from is not None:  # mid-round: the moments must be on disk before the next inner step
+                self.checkpointer.begin(inner)
+                self.checkpointer.wait_begun()
             self.checkpointer.commit(rest, meta)
         if committed:
             self.averager.offer_state(self.snapshot())
-        record.overhead_s = max(0.0, time.perf_counter() - start - compute_s - outcome.comm_s)
+        if rebase_from is None:
+            record.overhead_s = max(0.0, time.perf_counter() - start - compute_s - outcome.comm_s)
+        else:  # the snapshot and launch of the exchange, then this close
+            record.overhead_s = launch_s + time.perf_counter() - close_start
         if committed:
             log.info("round %d committed: train loss %.4f, eval loss %s, group %d, %.0f tokens/s, compute %.1fs, "
                      "comm %.2fs, overhead %.2fs, global %s", record.round, train_loss,
@@ -382,11 +393,3 @@ class Trainer:
         torch.save({"record": record.__dict__, "pseudo_grad": pseudo_grad, "samples": samples,
                     "global_before": global_before, "global_after": [g.clone() for g in self.diloco.global_params]},
                    folder / f"attempt-{attempt:04d}.pt")
-
-
-def _history_to_dict(history: PeerHistory) -> dict[str, Any]:
-    return {**history.__dict__, "rounds": [r.__dict__ for r in history.rounds]}
-
-
-def _history_from_dict(d: dict[str, Any]) -> PeerHistory:
-    return PeerHistory(**{**d, "rounds": [RoundRecord(**r) for r in d["rounds"]]})

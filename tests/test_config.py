@@ -48,6 +48,8 @@ def test_overrides_in_both_forms():
     (["--swarm.stall_timeout", "-1"], "swarm.stall_timeout"),
     (["--swarm.progress_expiration", "5"], "swarm.progress_expiration"),
     (["--faults.hold_round", "2"], "faults.hold_round"),
+    (["--diloco.delay", "40"], "diloco.delay"),
+    (["--diloco.delay", "-1"], "diloco.delay"),
     (["--faults.hold_file", "x"], "faults.hold_round"),
     (["--swarm.allreduce_timeout", "60"], "swarm.allreduce_timeout' was replaced by swarm.stall_timeout"),
 ])

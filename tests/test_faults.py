@@ -51,12 +51,14 @@ def read_status(child) -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_local_swarm_kill_inside_allreduce_and_join(tmp_path):
-    """The issue's demo, shrunk: `swarm local --kill 1@2:allreduce --join 2`."""
+@pytest.mark.parametrize("delay", [0, 4])
+def test_local_swarm_kill_inside_allreduce_and_join(tmp_path, delay):
+    """The issue's demo, shrunk: `swarm local --kill 1@2:allreduce --join 2`, blocking and with the exchange
+    behind the next round's first 4 inner steps (diloco.delay)."""
     result = subprocess.run(
         [sys.executable, "-m", "swarm.cli", "local", "--config", "configs/tiny.yaml", "--peers", "3",
          "--rounds", "4", "--kill", "1@2:allreduce", "--join", "2", "--out", str(tmp_path), *SMALL,
-         "--diloco.inner_steps", "10", "--faults.step_delay", "0.2"],  # rounds slow enough for the joiner
+         "--diloco.inner_steps", "10", "--faults.step_delay", "0.2", "--diloco.delay", str(delay)],
         cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())

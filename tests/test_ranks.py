@@ -74,6 +74,10 @@ def test_ranks_that_cannot_share_the_batch_or_the_devices_are_refused():
     with pytest.raises(UsageError, match="data.batch_size 8 is not divisible by inner.micro_batch_size 2 x "
                                          "--nproc-per-node 3"):
         check(cfg, 3)
+    delayed = load_config(ROOT / "configs" / "tiny.yaml", ["--diloco.delay", "2"])
+    check(delayed, 1)
+    with pytest.raises(UsageError, match="diloco.delay 2 runs in one-process peers only"):
+        check(delayed, 2)
     more = torch.cuda.device_count() + 1
     cuda = load_config(ROOT / "configs" / "tiny.yaml", ["--diloco.device", "cuda", "--data.batch_size", str(8 * more)])
     with pytest.raises(UsageError, match=f"--nproc-per-node {more} exceeds the {more - 1} CUDA devices"):

@@ -27,29 +27,53 @@ def reference_diloco(cfg, replicas: int) -> list[torch.Tensor]:
     data = [TrainBatches(corpus, cfg.data, shard=i) for i in range(replicas)]
     global_params = [p.detach().clone().float() for p in models[0].parameters()]
     momentum = [torch.zeros_like(g) for g in global_params]
+    delay, pending = cfg.diloco.delay, None  # pending: each replica's snapshot and the mean pseudo-gradient
+
+    def outer_step(deltas: list[torch.Tensor]) -> None:
+        for i, (g, delta) in enumerate(zip(global_params, deltas)):
+            momentum[i] = cfg.outer.momentum * momentum[i] + delta
+            g -= cfg.outer.lr * (delta + cfg.outer.momentum * momentum[i])
+
+    @torch.no_grad()
+    def land(snapshots: list[list[torch.Tensor]], deltas: list[torch.Tensor]) -> None:
+        """The delayed outer step, then each replica re-based: local += new global - its snapshot."""
+        outer_step(deltas)
+        for m, snapshot in zip(models, snapshots):
+            for p, g, s in zip(m.parameters(), global_params, snapshot):
+                p += g - s
+
     step = 0
     for _ in range(cfg.diloco.rounds):
-        for _ in range(cfg.diloco.inner_steps):
+        for k in range(cfg.diloco.inner_steps):
             for model, opt, sched, batches in zip(models, opts, scheds, data):
                 x = batches.batch(step)
                 model(input_ids=x, labels=x).loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), inner.grad_clip)
                 opt.step(), sched.step(), opt.zero_grad()
             step += 1
-        for i, g in enumerate(global_params):
-            delta = sum(g - list(m.parameters())[i].detach() for m in models) / replicas
-            momentum[i] = cfg.outer.momentum * momentum[i] + delta
-            g -= cfg.outer.lr * (delta + cfg.outer.momentum * momentum[i])
+            if pending is not None and k + 1 == delay:
+                land(*pending)
+                pending = None
+        snapshots = [[p.detach().clone() for p in m.parameters()] for m in models]
+        deltas = [sum(g - s[i] for s in snapshots) / replicas for i, g in enumerate(global_params)]
+        if delay:
+            pending = (snapshots, deltas)
+            continue
+        outer_step(deltas)
         with torch.no_grad():
             for m in models:
                 for p, g in zip(m.parameters(), global_params):
                     p.copy_(g)
+    if pending is not None:
+        land(*pending)
     return global_params
 
 
 @pytest.mark.timeout(120)
-def test_sim_equals_hand_written_reference(tmp_path):
-    cfg = tiny_config(diloco={"rounds": 2, "inner_steps": 3}, checkpoint={"every": 0})
+@pytest.mark.parametrize("delay", [0, 2])
+def test_sim_equals_hand_written_reference(tmp_path, delay):
+    """Blocking rounds, and rounds whose outer step lands 2 inner steps into the next round (diloco.delay)."""
+    cfg = tiny_config(diloco={"rounds": 3, "inner_steps": 3, "delay": delay}, checkpoint={"every": 0})
     trainers = simulate(cfg, 3, tmp_path)
     expected = reference_diloco(cfg, 3)
     hashes = {t.diloco.global_sha256() for t in trainers}
@@ -85,6 +109,20 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path):
     for (a, b), (c, d) in zip(ours, ref):
         assert abs(a - c) < 1e-6 and abs(b - d) < 1e-6
     assert second.diloco.global_sha256() == straight.diloco.global_sha256()
+
+
+@pytest.mark.timeout(120)
+def test_a_delayed_run_resumes_from_its_last_committed_round(tmp_path):
+    """diloco.delay: a checkpoint holds the committed state, not the local model running ahead of it (nor the
+    exchange in flight), so a resumed run re-trains from the last committed round; it still commits every round."""
+    cfg = tiny_config(diloco={"rounds": 4, "inner_steps": 3, "delay": 2})
+    straight = Trainer(cfg, SoloAverager(), "a", shard=0, out_dir=tmp_path / "straight")
+    straight.train()
+    second = resumed_after(cfg, tmp_path / "resumed", stop_round=2)
+    assert second.diloco.round == 4
+    assert [r.round for r in second.history.rounds if r.committed] == [1, 2, 3, 4]
+    for ours, ref in zip(second.history.rounds[:2], straight.history.rounds[:2]):
+        assert (ours.train_loss, ours.global_sha256) == (ref.train_loss, ref.global_sha256)
 
 
 @pytest.mark.timeout(60)

@@ -1,0 +1,48 @@
+"""What a peer's rounds leave behind: one `RoundRecord` per committed or discarded round, in `PeerHistory`
+(summary.json's per-peer entry is built from it, and checkpoints carry it as a dict)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class RoundRecord:
+    """What one committed (or discarded) round leaves in the log and in summary.json."""
+
+    round: int  # the outer step this record closes (1-based after commit)
+    committed: bool
+    train_loss: float
+    eval_loss: Optional[float]
+    global_sha256: str
+    group_size: int
+    samples: int
+    compute_s: float  # inner steps
+    comm_s: float  # matchmaking and all-reduce
+    bytes_sent: int
+    bytes_received: int
+    tokens_per_s: float
+    note: str = ""
+    time: float = 0.0  # unix time when the round closed
+    overhead_s: float = 0.0  # the rest of the round: outer step, hashing, eval, checkpoint, state download
+    eval_s: float = 0.0  # of overhead_s, the held-out eval
+    allreduce_s: float = 0.0  # of comm_s, the all-reduce that committed the round
+    wait_s: float = 0.0  # diloco.delay 1: how long the inner steps stopped to wait for this round's exchange
+
+
+@dataclass
+class PeerHistory:
+    peer_id: str
+    initial_eval_loss: Optional[float] = None
+    rounds: list[RoundRecord] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    final_round: int = 0  # the round and hash this peer holds now: committed, resumed or downloaded
+    final_global_sha256: Optional[str] = None
+
+def history_to_dict(history: PeerHistory) -> dict[str, Any]:
+    return {**history.__dict__, "rounds": [r.__dict__ for r in history.rounds]}
+
+
+def history_from_dict(d: dict[str, Any]) -> PeerHistory:
+    return PeerHistory(**{**d, "rounds": [RoundRecord(**r) for r in d["rounds"]]})
