@@ -42,6 +42,7 @@ def run_solo(cfg: Config, out_dir: Path) -> Path:
 
             history = trainer.train(progress)
         write_rank(out_dir, ranks, trainer)
+        ranks.drain()
     finally:
         ranks.close()
     peers = [peer_summary(history, ranks.world_size)]

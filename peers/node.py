@@ -66,6 +66,7 @@ def run_peer(cfg: Config, out_dir: Path, name: Optional[str]) -> Path:
                           shard=shard_index(cfg.data, cfg.swarm.run_id, name), out_dir=out_dir, ranks=ranks)
         trainer.train()
         write_rank(out_dir, ranks, trainer)
+        ranks.drain()
         return out_dir / "summary.json"
     finally:
         ranks.close()
@@ -125,6 +126,7 @@ def _run_endpoint(cfg: Config, out_dir: Path, name: Optional[str], ranks: Ranks)
         try:
             trainer.train(progress)
             write_rank(out_dir, ranks, trainer)
+            ranks.drain()
             status.update(force=True, name=name, peer_id=peer_id, state="serving", round=trainer.diloco.round,
                           step=0, loss=None)
             averager.finish(trainer.diloco.round)

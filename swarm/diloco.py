@@ -79,11 +79,9 @@ class DiLoCo:
         return [torch.empty_like(g) for g in self.global_params]
 
     @torch.no_grad()
-    def outer_step(self, averaged: Sequence[torch.Tensor],
-                   rebase_from: Optional[Sequence[torch.Tensor]] = None) -> None:
-        """Apply the outer optimizer with `averaged` as the gradient, then reset the local model to global; or,
-        with `rebase_from` (the local parameters the pseudo-gradient was taken from, see swarm/overlap.py), move
-        the local model by new global - `rebase_from`, keeping the inner steps it took since."""
+    def outer_step(self, averaged: Sequence[torch.Tensor], keep_local: bool = False) -> None:
+        """Apply the outer optimizer with `averaged` as the gradient, then reset the local model to global (unless
+        `keep_local`: a delayed round moves the local model itself, see swarm/overlap.py)."""
         if len(averaged) != len(self.global_params):
             raise ValueError(f"averaged pseudo-gradient has {len(averaged)} tensors, "
                              f"expected {len(self.global_params)}")
@@ -97,11 +95,23 @@ class DiLoCo:
             for g in self.global_params:
                 g.grad = None
             self.round += 1
-        if rebase_from is None:
+        if not keep_local:
             self.sync_local()
-        else:
-            for p, g, base in zip(self.params, self.global_params, rebase_from):
-                p.add_((g - base).to(p.device, p.dtype))
+
+    @torch.no_grad()
+    def own_outer_step(self, index: int, local: torch.Tensor) -> torch.Tensor:
+        """Global tensor `index` after the next outer step if the group's average were this peer's own pseudo-
+        gradient `global - local` (torch's SGD rule: buf = momentum * buf + d, step = d + momentum * buf with
+        Nesterov); nothing is changed."""
+        g = self.global_params[index]
+        hyper = self.outer_optimizer.param_groups[0]
+        d = g - local.to(g.device, torch.float32)
+        step = d
+        if hyper["momentum"]:
+            buf = self.outer_optimizer.state.get(g, {}).get("momentum_buffer")
+            buf = d.clone() if buf is None else buf * hyper["momentum"] + d
+            step = d + hyper["momentum"] * buf if hyper["nesterov"] else buf
+        return g - hyper["lr"] * step
 
     def changing(self):
         """Context for any change to the global parameters or the outer momentum (see `version`)."""

@@ -4,7 +4,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
+
+import torch
+
+from swarm.diloco import DiLoCo, PseudoGradient
 
 
 @dataclass
@@ -25,6 +30,7 @@ class RoundRecord:
     tokens_per_s: float
     note: str = ""
     time: float = 0.0  # unix time when the round closed
+    start_time: float = 0.0  # unix time when its inner steps began
     overhead_s: float = 0.0  # the rest of the round: outer step, hashing, eval, checkpoint, state download
     eval_s: float = 0.0  # of overhead_s, the held-out eval
     allreduce_s: float = 0.0  # of comm_s, the all-reduce that committed the round
@@ -46,3 +52,17 @@ def history_to_dict(history: PeerHistory) -> dict[str, Any]:
 
 def history_from_dict(d: dict[str, Any]) -> PeerHistory:
     return PeerHistory(**{**d, "rounds": [RoundRecord(**r) for r in d["rounds"]]})
+
+
+def round_inputs(pseudo_grad: PseudoGradient, samples: int, diloco: DiLoCo) -> tuple:
+    """`logging.dump_tensors`: what a round starts from, taken before its exchange."""
+    return pseudo_grad.tensors(), samples, [g.clone() for g in diloco.global_params]
+
+
+def dump_round(folder: Path, attempt: int, record: RoundRecord, inputs: tuple, diloco: DiLoCo) -> None:
+    """Evidence for tests: what this peer contributed and what it committed, per attempt."""
+    pseudo_grad, samples, global_before = inputs
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save({"record": record.__dict__, "pseudo_grad": pseudo_grad, "samples": samples,
+                "global_before": global_before, "global_after": [g.clone() for g in diloco.global_params]},
+               folder / f"attempt-{attempt:04d}.pt")

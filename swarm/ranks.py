@@ -75,6 +75,15 @@ class Ranks:
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
         self._cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
 
+    def drain(self) -> None:
+        """Every rank, once its work is done: a barrier that lets gloo's worker threads retire the finished
+        collectives (freeing their tensors takes the GIL) while this thread waits without it. ProcessGroupGloo's
+        destructor, which runs when its last holder (the DDP wrapper) goes, waits for those threads while holding
+        the GIL: torn down with a work still retiring, a rank hung for good after writing its results (seen once,
+        under load)."""
+        if self.distributed:
+            dist.barrier()
+
     def close(self) -> None:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()

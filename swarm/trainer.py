@@ -25,9 +25,9 @@ from swarm.averaging import Averager, Intake, RoundOutcome, Snapshot
 from swarm.checkpoint import Checkpointer, CorruptCheckpoint
 from swarm.config import Config
 from swarm.data import TrainBatches, load_corpus
-from swarm.diloco import DiLoCo, PseudoGradient
+from swarm.diloco import DiLoCo
 from swarm.errors import SwarmError
-from swarm.history import PeerHistory, RoundRecord, history_from_dict, history_to_dict
+from swarm.history import PeerHistory, RoundRecord, dump_round, history_from_dict, history_to_dict, round_inputs
 from swarm.inner import autocast, build_optimizer, evaluate, forward_backward, lr_lambda
 from swarm.model import build_model, count_parameters
 from swarm.overlap import Exchange
@@ -210,7 +210,7 @@ class Trainer:
                 start, losses, last_report = time.perf_counter(), [], 0.0
                 if self.checkpointer is not None:
                     self.checkpointer.wait_begun()  # it may still write the last round's AdamW moments: overhead
-                inner_start = time.perf_counter()
+                inner_start, paused = time.perf_counter(), 0.0  # paused: closing the last round meanwhile
                 for i in range(cfg.inner_steps):
                     self._inject_faults(i)
                     losses.append(self.inner_step())
@@ -220,14 +220,14 @@ class Trainer:
                         last_report = time.perf_counter()
                         self._publish_progress(inner_start, len(losses), ready=exchange is not None)
                     if exchange is not None and i + 1 == cfg.delay:  # the last round's outer step lands here
-                        self._settle(exchange)
+                        paused += self._settle(exchange)
                         exchange = None
                     if i + 1 < cfg.inner_steps and exchange is None and self.averager.others_ready(self.diloco.round):
                         log.info("round %d: peers wait to average; contributing %d of %d inner steps",
                                  self.diloco.round + 1, i + 1, cfg.inner_steps)
                         self._inject_faults(i + 1, stopping_early=True)
                         break
-                compute_s = time.perf_counter() - inner_start
+                compute_s = time.perf_counter() - inner_start - paused
                 if exchange is not None:  # a round cut short before `delay` inner steps
                     self._settle(exchange)
                     exchange = None
@@ -246,9 +246,10 @@ class Trainer:
                              tokens_per_s=tokens_per_step * len(losses) / compute_s)
                 if cfg.delay:
                     exchange = Exchange(self.diloco, self.averager, samples, self.error_feedback, **facts)
-                    exchange.dump = self._dump_inputs(exchange.pseudo_grad, samples) if dumping else None
+                    exchange.begin_local(self.diloco)
+                    exchange.dump = round_inputs(exchange.pseudo_grad, samples, self.diloco) if dumping else None
                     continue
-                dump = self._dump_inputs(pseudo_grad, samples) if dumping else None
+                dump = round_inputs(pseudo_grad, samples, self.diloco) if dumping else None
                 checkpoint = self._checkpoint_due()
                 if checkpoint:  # the AdamW moments go to disk while the round averages
                     self.checkpointer.begin(self._checkpoint_parts()[0])
@@ -265,18 +266,21 @@ class Trainer:
     def _checkpoint_due(self) -> bool:
         return self.checkpointer is not None and (self.diloco.round + 1) % self.cfg.checkpoint.every == 0
 
-    def _settle(self, exchange: Exchange) -> None:
-        """diloco.delay: commit or discard the round of the exchange in flight, waiting for it if need be."""
+    def _settle(self, exchange: Exchange) -> float:
+        """diloco.delay: commit or discard the round of the exchange in flight, waiting for it if need be;
+        returns the seconds this took (the inner steps stood still)."""
+        start = time.perf_counter()
         outcome, wait_s = exchange.result()
         if outcome.averaged is not None:
             self.samples_since_commit -= exchange.samples  # what the inner steps since then add stays
-        record = self._close_round(outcome, self._checkpoint_due(), rebase_from=exchange.snapshot, wait_s=wait_s,
+        record = self._close_round(outcome, self._checkpoint_due(), exchange=exchange, wait_s=wait_s,
                                    launch_s=exchange.launch_s, **exchange.facts)
         self._after_round(record, exchange.dump)
+        return time.perf_counter() - start
 
     def _after_round(self, record: RoundRecord, dump: Optional[tuple]) -> None:
         if dump is not None:
-            self._dump(record, *dump)
+            dump_round(self.out_dir / "tensors", len(self.history.rounds), record, dump, self.diloco)
         if self.on_round is not None:
             self.on_round(record)
 
@@ -330,23 +334,27 @@ class Trainer:
                 self.diloco.params[0].fill_(float("nan"))
 
     def _close_round(self, outcome: RoundOutcome, checkpoint: bool, train_loss: float, compute_s: float,
-                     tokens_per_s: float, start: float, rebase_from: Optional[list[torch.Tensor]] = None,
+                     tokens_per_s: float, start: float, exchange: Optional[Exchange] = None,
                      wait_s: float = 0.0, launch_s: float = 0.0) -> RoundRecord:
-        """Commit the round (outer step; with `rebase_from`, a delayed round: the local model keeps the inner steps
+        """Commit the round (outer step; with `exchange`, a delayed round: the local model keeps the inner steps
         taken since, see swarm/overlap.py), or take the swarm's state, or discard it and keep local progress."""
         committed, close_start = outcome.averaged is not None, time.perf_counter()
-        if checkpoint and rebase_from is None and not committed:
+        if checkpoint and exchange is None and not committed:
             self.checkpointer.abort()
         if committed:
             self._settle_checkpoint()
-            self.diloco.outer_step(outcome.averaged, rebase_from)
-            if rebase_from is None:
+            if exchange is None:
+                self.diloco.outer_step(outcome.averaged)
                 self.samples_since_commit = 0
+            else:
+                exchange.land(self.diloco, outcome.averaged)
             self.error_feedback = outcome.residual if self.cfg.swarm.error_feedback else None
-        elif outcome.behind:
+        elif exchange is not None:
+            exchange.drop(self.diloco)
+        if not committed and outcome.behind:
             log.warning("round %d: %s", self.diloco.round + 1, outcome.note)
             self.catch_up(outcome.donors or None)
-        else:
+        elif not committed:
             log.warning("round %d discarded (%s): keeping local progress for the next attempt",
                         self.diloco.round + 1, outcome.note)
         eval_loss, eval_start = None, time.perf_counter()
@@ -360,17 +368,18 @@ class Trainer:
             allreduce_s=outcome.allreduce_s,
             bytes_sent=outcome.bytes_sent, bytes_received=outcome.bytes_received,
             tokens_per_s=tokens_per_s, note=outcome.note, time=time.time(), eval_s=eval_s, wait_s=wait_s,
+            start_time=time.time() - (time.perf_counter() - start),
         )
         self.history.rounds.append(record)
         if checkpoint and committed:  # the rest goes to disk while the next round's inner steps run
             inner, rest, meta = self._checkpoint_parts()
-            if rebase_from is not None:  # mid-round: the moments must be on disk before the next inner step
+            if exchange is not None:  # mid-round: the moments must be on disk before the next inner step
                 self.checkpointer.begin(inner)
                 self.checkpointer.wait_begun()
             self.checkpointer.commit(rest, meta)
         if committed:
             self.averager.offer_state(self.snapshot())
-        if rebase_from is None:
+        if exchange is None:
             record.overhead_s = max(0.0, time.perf_counter() - start - compute_s - outcome.comm_s)
         else:  # the snapshot and launch of the exchange, then this close
             record.overhead_s = launch_s + time.perf_counter() - close_start
@@ -380,16 +389,3 @@ class Trainer:
                      "-" if eval_loss is None else f"{eval_loss:.4f}", outcome.group_size, tokens_per_s, compute_s,
                      outcome.comm_s, record.overhead_s, record.global_sha256[:12])
         return record
-
-    def _dump_inputs(self, pseudo_grad: PseudoGradient, samples: int) -> tuple:
-        return pseudo_grad.tensors(), samples, [g.clone() for g in self.diloco.global_params]
-
-    def _dump(self, record: RoundRecord, pseudo_grad: list[torch.Tensor], samples: int,
-              global_before: list[torch.Tensor]) -> None:
-        """Evidence for tests: what this peer contributed and what it committed, per attempt."""
-        folder = self.out_dir / "tensors"
-        folder.mkdir(parents=True, exist_ok=True)
-        attempt = len(self.history.rounds)
-        torch.save({"record": record.__dict__, "pseudo_grad": pseudo_grad, "samples": samples,
-                    "global_before": global_before, "global_after": [g.clone() for g in self.diloco.global_params]},
-                   folder / f"attempt-{attempt:04d}.pt")

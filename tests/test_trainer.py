@@ -34,13 +34,27 @@ def reference_diloco(cfg, replicas: int) -> list[torch.Tensor]:
             momentum[i] = cfg.outer.momentum * momentum[i] + delta
             g -= cfg.outer.lr * (delta + cfg.outer.momentum * momentum[i])
 
+    def own_step(i: int, s: torch.Tensor) -> torch.Tensor:
+        """Global tensor i after an outer step on one replica's own pseudo-gradient (where it resumes from)."""
+        d = global_params[i] - s
+        return global_params[i] - cfg.outer.lr * (d + cfg.outer.momentum * (cfg.outer.momentum * momentum[i] + d))
+
+    @torch.no_grad()
+    def resume_from_own_step(snapshots: list[list[torch.Tensor]]) -> None:
+        for m, snapshot in zip(models, snapshots):
+            for i, (p, s) in enumerate(zip(m.parameters(), snapshot)):
+                p.copy_(own_step(i, s))
+
     @torch.no_grad()
     def land(snapshots: list[list[torch.Tensor]], deltas: list[torch.Tensor]) -> None:
-        """The delayed outer step, then each replica re-based: local += new global - its snapshot."""
-        outer_step(deltas)
+        """The delayed outer step; each replica moves by new global - where it resumed from."""
         for m, snapshot in zip(models, snapshots):
-            for p, g, s in zip(m.parameters(), global_params, snapshot):
-                p += g - s
+            for i, (p, s) in enumerate(zip(m.parameters(), snapshot)):
+                p -= own_step(i, s)
+        outer_step(deltas)
+        for m in models:
+            for p, g in zip(m.parameters(), global_params):
+                p += g
 
     step = 0
     for _ in range(cfg.diloco.rounds):
@@ -58,6 +72,7 @@ def reference_diloco(cfg, replicas: int) -> list[torch.Tensor]:
         deltas = [sum(g - s[i] for s in snapshots) / replicas for i, g in enumerate(global_params)]
         if delay:
             pending = (snapshots, deltas)
+            resume_from_own_step(snapshots)
             continue
         outer_step(deltas)
         with torch.no_grad():
