@@ -24,15 +24,22 @@ from swarm.data import load_corpus
 from swarm.model import build_model, count_parameters
 
 M = 4
-FULL = dict(steps=400, grid=[(10, 0.3), (10, 0.7), (25, 0.7), (50, 0.5), (50, 0.7), (50, 1.0), (100, 1.0)],
-            swarm_point=(50, 0.7), long=(1600, [(50, 0.7)]))
-QUICK = dict(steps=60, grid=[(10, 0.3), (30, 0.7)], swarm_point=(30, 0.7))
+# DiLoCo points: (H, outer lr) or (H, outer lr, diloco.delay): the outer step lands `delay` inner steps into the
+# next round, the exchange running behind them (swarm/overlap.py)
+FULL = dict(steps=400, grid=[(10, 0.3), (10, 0.7), (25, 0.7), (50, 0.5), (50, 0.7), (50, 1.0), (100, 1.0),
+                             (10, 0.3, 5), (50, 0.7, 5), (50, 0.7, 25)],
+            swarm_point=(50, 0.7), long=(1600, [(50, 0.7), (50, 0.7, 5), (50, 0.7, 25)]))
+QUICK = dict(steps=60, grid=[(10, 0.3), (30, 0.7), (30, 0.7, 5)], swarm_point=(30, 0.7))
 
 
-def diloco_sim(steps: int, h: int, olr: float, tmp: Path) -> tuple[list[tuple[int, float]], float]:
-    cfg = tiny_config(steps, h, olr)
+def method(delay: int) -> str:
+    return f"DiLoCo, delay {delay}" if delay else "DiLoCo"
+
+
+def diloco_sim(steps: int, h: int, olr: float, tmp: Path, delay: int = 0) -> tuple[list[tuple[int, float]], float]:
+    cfg = tiny_config(steps, h, olr, diloco={"delay": delay})
     start = time.perf_counter()
-    trainers = simulate(cfg, M, tmp / f"sim-h{h}-olr{olr}")
+    trainers = simulate(cfg, M, tmp / f"sim-h{h}-olr{olr}-d{delay}")
     hist = trainers[0].history
     curve = [(0, hist.initial_eval_loss)] + [(r.round * h, r.eval_loss) for r in hist.rounds
                                              if r.committed and r.eval_loss is not None]
@@ -69,10 +76,12 @@ def long_points(steps: int, grid: list[tuple[int, float]], tmp: Path) -> tuple[l
     curve, secs = train_plain(cfg, [0], steps)
     points = [dict(method="single worker", label=f"single (B), {steps} steps", H=None, outer_lr=None, curve=curve,
                    seconds=secs, allreduces=0, steps=steps)]
-    for h, olr in grid:
-        curve, secs = diloco_sim(steps, h, olr, tmp)
-        points.append(dict(method="DiLoCo", label=f"DiLoCo H={h} olr={olr}, {steps} steps", H=h, outer_lr=olr,
-                           curve=curve, seconds=secs, allreduces=steps // h, steps=steps))
+    for h, olr, *delay in grid:
+        delay = delay[0] if delay else 0
+        curve, secs = diloco_sim(steps, h, olr, tmp, delay)
+        points.append(dict(method=method(delay), label=f"{method(delay)} H={h} olr={olr}, {steps} steps", H=h,
+                           outer_lr=olr, delay=delay, curve=curve, seconds=secs, allreduces=steps // h,
+                           steps=steps))
     single = points[0]["curve"][-1][1]
     rows = [[p["method"], p["H"] or "–", p["outer_lr"], steps, f"{p['curve'][-1][1]:.4f}",
              f"{p['curve'][-1][1] - single:+.3f}", p["allreduces"], f"{p['seconds']:.0f}"] for p in points]
@@ -90,7 +99,7 @@ def plot(points: list[dict], path: Path) -> None:
     for p in points:
         if p.get("curve"):
             steps, losses = zip(*p["curve"])
-            style = "-" if p["method"] != "DiLoCo" else "--"
+            style = "--" if p["method"].startswith("DiLoCo") else "-"
             ax.plot(steps, losses, style, marker=".", label=p["label"], linewidth=2 if style == "-" else 1)
     ax.set_xlabel("inner steps per worker")
     ax.set_ylabel("held-out eval loss")
@@ -117,15 +126,16 @@ def run(quick: bool) -> dict:
     points.append(dict(method=f"data parallel x{M}", label=f"DP ({M}xB)", H=1, outer_lr=None, curve=curve,
                        seconds=secs, allreduces=steps))
     with tempfile.TemporaryDirectory(prefix="bench-conv-") as tmp:
-        for h, olr in spec["grid"]:
-            curve, secs = diloco_sim(steps, h, olr, Path(tmp))
-            points.append(dict(method="DiLoCo", label=f"DiLoCo H={h} olr={olr}", H=h, outer_lr=olr, curve=curve,
-                               seconds=secs, allreduces=steps // h))
-            print(f"  convergence: H={h} olr={olr}: eval {curve[-1][1]:.4f} ({secs:.0f}s)", flush=True)
+        for h, olr, *delay in spec["grid"]:
+            delay = delay[0] if delay else 0
+            curve, secs = diloco_sim(steps, h, olr, Path(tmp), delay)
+            points.append(dict(method=method(delay), label=f"{method(delay)} H={h} olr={olr}", H=h, outer_lr=olr,
+                               delay=delay, curve=curve, seconds=secs, allreduces=steps // h))
+            print(f"  convergence: H={h} olr={olr} delay {delay}: eval {curve[-1][1]:.4f} ({secs:.0f}s)", flush=True)
         h, olr = spec["swarm_point"]
         swarm = diloco_swarm(steps, h, olr, Path(tmp))
         long, long_table = long_points(*spec["long"], Path(tmp)) if "long" in spec else ([], "")
-    sim_point = next(p for p in points if p["H"] == h and p["outer_lr"] == olr)
+    sim_point = next(p for p in points if p["H"] == h and p["outer_lr"] == olr and not p.get("delay"))
     swarm.update(H=h, outer_lr=olr, sim_eval_loss=sim_point["curve"][-1][1])
     if "eval_loss" in swarm:
         swarm["abs_diff"] = abs(swarm["eval_loss"] - swarm["sim_eval_loss"])
@@ -149,12 +159,14 @@ def run(quick: bool) -> dict:
     agree = (f"sim vs swarm at H={h}, olr={olr}: {swarm['sim_eval_loss']:.4f} vs {swarm['eval_loss']:.4f} "
              f"(|diff| {swarm['abs_diff']:.4f}), final globals identical on every peer: {swarm['identical_globals']}"
              if "eval_loss" in swarm else f"real swarm point failed: {swarm.get('error')}")
-    best = min((p for p in points if p["method"] == "DiLoCo"), key=lambda p: p["eval_loss"])
+    best = min((p for p in points if p["method"].startswith("DiLoCo")), key=lambda p: p["eval_loss"])
     results_dir(quick).mkdir(parents=True, exist_ok=True)
     plot(points + long, results_dir(quick) / "convergence.png")
     table += (f"\n\n{params / 1e6:.2f}M-parameter Llama, {M} workers, batch {cfg.data.batch_size}x{cfg.data.seq_len} "
-              f"per worker, {steps} inner steps per worker, inner AdamW lr {cfg.inner.lr}. Best DiLoCo: H={best['H']} "
-              f"olr={best['outer_lr']} at {best['eval_loss']:.4f}. {agree}. Plot: convergence.png")
+              f"per worker, {steps} inner steps per worker, inner AdamW lr {cfg.inner.lr}. "
+              f"Best DiLoCo: {best['label']} at {best['eval_loss']:.4f}. {agree}. \"delay τ\": the exchange "
+              f"runs behind the next round's first τ inner steps, whose end its outer step waits for (diloco.delay). "
+              f"Plot: convergence.png")
     if long_table:
         table += f"\n\nLonger runs (more rounds), same settings otherwise:\n\n{long_table}"
     return {"table": table, "config": {"steps": steps, "workers": M, "params": params, "grid": spec["grid"],

@@ -152,8 +152,7 @@ def utilization(peer: dict) -> dict:
     """One peer's inner-step seconds / training wall seconds, from its round records. Training wall: from the
     start of its first round to the close of its last (start-up excluded; evals and all-reduces included)."""
     rounds = peer["rounds"]
-    first = rounds[0]
-    wall = rounds[-1]["time"] - (first["time"] - first["compute_s"] - first["comm_s"])
+    wall = max(r["time"] for r in rounds) - rounds[0]["start_time"]
     compute = sum(r["compute_s"] for r in rounds)
     tokens = sum(r["tokens_per_s"] * r["compute_s"] for r in rounds)
     return {"utilization": compute / wall, "compute_s": compute, "wall_s": wall, "tokens": tokens,

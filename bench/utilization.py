@@ -2,11 +2,13 @@
 and with every peer in its own network namespace behind a tbf-shaped link, per H and per compression, next to
 the round model's prediction
 
-    utilization ~ H t_step / (H t_step + t_matchmaking + t_allreduce),  t_allreduce ~ 2(n-1)/n bytes / bandwidth
+    utilization ~ H t_step / (H t_step + max(0, t_matchmaking + t_allreduce - delay t_step)),
+    t_allreduce ~ 2(n-1)/n bytes / bandwidth
 
 with t_step measured in the same run, 2(n-1)/n bytes = the bytes a peer sent per round (bench/traffic.py checks
 them against the bound), and t_matchmaking = the comm seconds per round of the loopback run of the same
-(H, compression), where bandwidth costs nothing.
+(H, compression), where bandwidth costs nothing. With `diloco.delay` the exchange runs behind the next round's
+first `delay` inner steps, and only what they do not hide stops the compute.
 """
 
 from __future__ import annotations
@@ -15,12 +17,45 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 from bench.common import md_table, stamp, tiny_config
 from bench.swarmrun import netns_available, run_swarm, utilization
 
-FULL = dict(peers=4, links=[None, "100mbit", "20mbit"], points=[(10, "none"), (10, "int8"), (50, "none")])
-QUICK = dict(peers=2, links=[None, "20mbit"], points=[(10, "none")])
+# (H, compression, diloco.delay): with a delay the exchange runs behind the next round's first `delay` inner steps
+FULL = dict(peers=4, links=[None, "100mbit", "20mbit"],
+            points=[(10, "none", 0), (10, "int8", 0), (50, "none", 0), (10, "int8", 8), (50, "none", 25)])
+QUICK = dict(peers=2, links=[None, "20mbit"], points=[(10, "none", 0), (10, "none", 8)])
+
+
+# The round model at scale: a peer is a GPU cluster whose inner step takes t_step (the Streaming DiLoCo paper's
+# simulation, arXiv 2501.18512 Table 4: 0.1 s at 1B and 0.8 s at 10B parameters at 60% MFU; 30B scaled linearly
+# from 10B), 8 peers, a 1 Gbit/s link each, H = 500, wire bytes per parameter as measured by bench/compression.py
+# (int8 0.27x and int4 0.16x of fp32's 4 bytes), matchmaking 1 s.
+SCALE = dict(peers=8, link_bits=1e9, H=500, t_mm=1.0, models=[("1B", 1e9, 0.1), ("30B", 30e9, 2.4)],
+             codecs=[("int8", 4 * 0.27), ("int4", 4 * 0.16)], delays=[0, 50, 250])
+
+
+def round_model(h: int, t_step: float, t_comm: float, delay: int, rounds: Optional[int] = None) -> float:
+    """Compute utilization over `rounds` rounds (None: the steady state) of H inner steps each: a round stops the
+    compute for whatever of its exchange the first `delay` inner steps of the next round do not hide; the last
+    round's exchange has nothing to hide behind."""
+    blocked = max(0.0, t_comm - delay * t_step)
+    if rounds is None:
+        return h * t_step / (h * t_step + blocked)
+    return rounds * h * t_step / (rounds * h * t_step + (rounds - 1) * blocked + t_comm)
+
+
+def projection() -> str:
+    n, rows = SCALE["peers"], []
+    for model, params, t_step in SCALE["models"]:
+        for codec, bytes_per_param in SCALE["codecs"]:
+            sent = 2 * (n - 1) / n * params * bytes_per_param
+            t_comm = SCALE["t_mm"] + sent * 8 / SCALE["link_bits"]
+            rows.append([model, codec, f"{sent / 1e9:.1f}", f"{t_comm:.0f}", f"{SCALE['H'] * t_step:.0f}",
+                         *[f"{round_model(SCALE['H'], t_step, t_comm, d):.1%}" for d in SCALE["delays"]]])
+    return md_table(["model", "codec", "GB sent / peer / round", "exchange s", "H inner steps s",
+                     *[f"delay {d}" for d in SCALE["delays"]]], rows)
 
 
 def rate_bits(link: str) -> float:
@@ -36,42 +71,48 @@ def run(quick: bool) -> dict:
     runs, rows, mm = [], [], {}
     with tempfile.TemporaryDirectory(prefix="bench-util-") as tmp:
         for link in links:
-            for h, comp in spec["points"]:
-                steps = 30 if quick else max(100, 3 * h)
-                cfg = tiny_config(steps, h, swarm={"run_id": f"bench-util-{int(time.time())}", "compression": comp})
+            for h, comp, delay in spec["points"]:
+                steps = 30 if quick else max(200, 6 * h)
+                cfg = tiny_config(steps, h, swarm={"run_id": f"bench-util-{int(time.time())}", "compression": comp},
+                                  diloco={"delay": delay})
                 cfg.diloco.eval_every = cfg.diloco.rounds  # one eval, at the end: the loop is inner steps + rounds
-                result = run_swarm(cfg, n, Path(tmp) / f"{link or 'lo'}-h{h}-{comp}", rate=link)
+                result = run_swarm(cfg, n, Path(tmp) / f"{link or 'lo'}-h{h}-{comp}-d{delay}", rate=link)
                 peers = [utilization(p) for p in result["peers"] if p["rounds"]]
                 if not peers:
-                    rows.append([link or "loopback", h, comp, "failed", "", "", "", "", ""])
-                    runs.append(dict(link=link, H=h, compression=comp, failed=result["failed"]))
+                    rows.append([link or "loopback", h, comp, delay, "failed", "", "", "", "", ""])
+                    runs.append(dict(link=link, H=h, compression=comp, delay=delay, failed=result["failed"]))
                     continue
                 tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
                 t_step = statistics.mean(p["compute_s"] / (p["tokens"] / tokens_per_step) for p in peers)
                 comm = statistics.mean(p["comm_s_per_round"] for p in peers)
                 sent = statistics.mean(p["bytes_sent_per_round"] for p in peers)
-                if link is None:
+                if link is None and not delay:
                     mm[(h, comp)] = comm
                 t_mm = mm.get((h, comp), 0.0)
                 t_ar = 0.0 if link is None else sent * 8 / rate_bits(link)
-                predicted = h * t_step / (h * t_step + t_mm + t_ar)
+                predicted = round_model(h, t_step, t_mm + t_ar, delay, cfg.diloco.rounds)
                 utils = [p["utilization"] for p in peers]
-                runs.append(dict(link=link, H=h, compression=comp, steps=steps, peers=peers, t_step=t_step,
-                                 comm_s_per_round=comm, bytes_sent_per_round=sent, t_matchmaking=t_mm,
+                runs.append(dict(link=link, H=h, compression=comp, delay=delay, steps=steps, peers=peers,
+                                 t_step=t_step, comm_s_per_round=comm, bytes_sent_per_round=sent, t_matchmaking=t_mm,
                                  t_allreduce_model=t_ar, predicted=predicted, failed=result["failed"],
                                  swarm_wall_s=result["wall_s"], shaped_bytes=result["shaped_bytes"],
                                  round_records=[p["rounds"] for p in result["peers"]]))
                 if link and sum(result["shaped_bytes"].values()) < len(peers) * sent:
                     raise RuntimeError(f"{link}: the traffic did not go through the shaped links")
-                rows.append([link or "loopback", h, comp, f"{statistics.mean(utils):.1%}",
+                rows.append([link or "loopback", h, comp, delay, f"{statistics.mean(utils):.1%}",
                              f"{min(utils):.1%}–{max(utils):.1%}", f"{predicted:.1%}", f"{t_step * 1e3:.0f}",
                              f"{comm:.2f}", f"{t_mm:.2f} + {t_ar:.2f}"])
-                print(f"  utilization: {link or 'loopback'} H={h} {comp}: {statistics.mean(utils):.1%} "
+                print(f"  utilization: {link or 'loopback'} H={h} {comp} delay {delay}: {statistics.mean(utils):.1%} "
                       f"(model {predicted:.1%})", flush=True)
-    table = md_table(["link", "H", "compression", "utilization (mean)", "min–max over peers", "round model",
+    table = md_table(["link", "H", "compression", "delay", "utilization (mean)", "min–max over peers", "round model",
                       "t_step ms", "comm s / round", "model: t_mm + t_allreduce s"], rows)
     table += (f"\n\n{n} peers + a bootstrap, each its own process (1 torch thread) on 2 shared cores; shaped links: "
               f"every process in its own network namespace, tbf on both directions of its veth. Utilization "
-              f"excludes start-up; the model's t_mm is the loopback run's comm time per round.{note}")
+              f"excludes start-up and includes the last round's exchange; the model's t_mm is the loopback run's "
+              f"comm time per round (blocking), and with a delay the exchange hides behind that many inner steps "
+              f"(except the last).{note}\n\nThe round model projected "
+              f"to GPU-cluster peers ({SCALE['peers']} peers, 1 Gbit/s links, H={SCALE['H']}; t_step 0.1 s at 1B and "
+              f"2.4 s at 30B, from the Streaming DiLoCo paper's simulation; measured wire bytes per codec):\n\n"
+              f"{projection()}")
     return {"table": table, "config": {"peers": n, "links": links, "points": spec["points"], "netns": ok,
                                        "netns_note": why}, "runs": runs, "timestamp": stamp()}
