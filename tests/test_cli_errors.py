@@ -47,3 +47,9 @@ def test_bad_kill_spec_exits_2():
     result = run_cli("local", "--config", "configs/tiny.yaml", "--kill", "two@2")
     assert result.returncode == 2
     assert "--kill" in one_line_error(result)
+
+
+def test_a_join_after_the_last_round_exits_2():
+    result = run_cli("local", "--config", "configs/tiny.yaml", "--rounds", "3", "--join", "4")
+    assert result.returncode == 2
+    assert "--join 4" in one_line_error(result)
