@@ -203,7 +203,12 @@ class Trainer:
         # diloco.delay: the last round's exchange, averaging behind this round's first inner steps (swarm/overlap.py)
         exchange: Optional[Exchange] = None
         try:
-            while self.diloco.round + (exchange is not None) < cfg.rounds:
+            while True:
+                if exchange is not None and self.diloco.round + 1 == cfg.rounds:
+                    self._settle(exchange)  # the last round's exchange: no inner steps left to hide it behind
+                    exchange = None
+                if self.diloco.round >= cfg.rounds:
+                    break
                 self._hold(self.diloco.round + 1 + (exchange is not None))
                 # H inner steps: plain PyTorch on this peer's shard. A straggler stops early once a faster peer
                 # waits to average, and contributes the steps it has (the average is weighted by samples).
@@ -256,8 +261,6 @@ class Trainer:
                 outcome = self.averager.average(self.diloco.round, pseudo_grad, samples, self.diloco.outer_grads(),
                                                 self.diloco.global_sha256())
                 self._after_round(self._close_round(outcome, checkpoint, **facts), dump)
-            if exchange is not None:
-                self._settle(exchange)
         finally:  # however training stops, a committed checkpoint is finished and a begun one dropped
             if self.checkpointer is not None:
                 self.checkpointer.close()

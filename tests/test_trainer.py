@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from peers.local_trainers import simulate
-from swarm.averaging import SoloAverager
+from swarm.averaging import RoundOutcome, SoloAverager
 from swarm.checkpoint import Checkpointer, CorruptCheckpoint
 from swarm.data import TrainBatches, load_corpus
 from swarm.inner import lr_lambda
@@ -124,6 +124,30 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path):
     for (a, b), (c, d) in zip(ours, ref):
         assert abs(a - c) < 1e-6 and abs(b - d) < 1e-6
     assert second.diloco.global_sha256() == straight.diloco.global_sha256()
+
+
+class DiscardsOnce(SoloAverager):
+    """Discards the first exchange of `round` (0-based), as a group that lost a member would."""
+
+    def __init__(self, round: int):
+        self.round, self.discarded = round, False
+
+    def average(self, round, pseudo_grad, samples, out, base=""):
+        if round == self.round and not self.discarded:
+            self.discarded = True
+            return RoundOutcome(None, note="injected discard")
+        return super().average(round, pseudo_grad, samples, out, base)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("delay", [0, 2])
+def test_a_discarded_last_round_is_trained_again_and_committed(tmp_path, delay):
+    cfg = tiny_config(diloco={"rounds": 3, "inner_steps": 3, "delay": delay}, checkpoint={"every": 0})
+    trainer = Trainer(cfg, DiscardsOnce(2), "a", shard=0, out_dir=tmp_path)
+    trainer.train()
+    assert trainer.diloco.round == 3
+    assert [(r.round, r.committed) for r in trainer.history.rounds] == [(1, True), (2, True), (2, False), (3, True)]
+    assert trainer.step == 12  # the discarded round's inner steps, and one more round of them
 
 
 @pytest.mark.timeout(120)
