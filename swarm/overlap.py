@@ -50,7 +50,7 @@ class Exchange:
             self.snapshot = [p.detach().to(g.device, torch.float32, copy=True)
                              for p, g in zip(diloco.params, diloco.global_params)]
         self.pseudo_grad = pseudo_grad = PseudoGradient(diloco.global_params, self.snapshot, residual)
-        self.out = diloco.outer_grads()
+        out = diloco.outer_grads()  # held by the outcome only, which the trainer frees once the round closed
         self.outcome: Optional[RoundOutcome] = None
         self.error: Optional[BaseException] = None
         self._done = threading.Event()
@@ -58,24 +58,22 @@ class Exchange:
 
         def run() -> None:
             try:
-                self.outcome = averager.average(self.round, pseudo_grad, samples, self.out, base)
+                self.outcome = averager.average(self.round, pseudo_grad, samples, out, base)
             except BaseException as e:  # handed to the training thread by result()
                 self.error = e
             finally:
                 self._done.set()
 
         threading.Thread(target=run, name=f"exchange-round-{self.round + 1}", daemon=True).start()
-        self.launch_s = time.perf_counter() - start  # mostly the snapshot: time the inner steps do not run
+        with torch.no_grad():  # the local model resumes from its own outer step (module docstring)
+            for i, p in enumerate(diloco.params):
+                p.copy_(self._start(diloco, i))
+        self.launch_s = time.perf_counter() - start  # snapshot and resume point: time the inner steps do not run
 
     def _start(self, diloco: DiLoCo, index: int) -> torch.Tensor:
         """Where the local model resumed from at launch: the outer step on its own pseudo-gradient. Computed from
         the snapshot, the global parameters and the outer momentum, none of which change before the round closes."""
         return diloco.own_outer_step(index, self.snapshot[index])
-
-    @torch.no_grad()
-    def begin_local(self, diloco: DiLoCo) -> None:
-        for i, p in enumerate(diloco.params):
-            p.copy_(self._start(diloco, i))
 
     @torch.no_grad()
     def land(self, diloco: DiLoCo, averaged: Sequence[torch.Tensor]) -> None:

@@ -251,7 +251,6 @@ class Trainer:
                              tokens_per_s=tokens_per_step * len(losses) / compute_s)
                 if cfg.delay:
                     exchange = Exchange(self.diloco, self.averager, samples, self.error_feedback, **facts)
-                    exchange.begin_local(self.diloco)
                     exchange.dump = round_inputs(exchange.pseudo_grad, samples, self.diloco) if dumping else None
                     continue
                 dump = round_inputs(pseudo_grad, samples, self.diloco) if dumping else None
