@@ -11,6 +11,6 @@ def run_bootstrap(identity: Optional[str], host_maddrs: list[str], announce_madd
                   initial_peers: list[str]) -> int:
     from swarm.net.dht import run_bootstrap as serve
 
-    serve(SwarmConfig(identity_path=identity, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs,
+    serve(SwarmConfig(identity=identity, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs,
                       initial_peers=initial_peers))
     return 0

@@ -89,6 +89,7 @@ def write_rank(out_dir: Path, ranks: Ranks, trainer: Trainer) -> None:
 
 def _run_endpoint(cfg: Config, out_dir: Path, name: Optional[str], ranks: Ranks) -> Path:
     from swarm.net.dht import start_dht, visible_maddrs
+    from swarm.net.identity import load_identity
     from swarm.net.peer import SwarmAverager
 
     start = time.time()
@@ -98,7 +99,8 @@ def _run_endpoint(cfg: Config, out_dir: Path, name: Optional[str], ranks: Ranks)
     status.update(force=True, name=name, state="starting", round=0, step=0, loss=None)
 
     fingerprint = cfg.fingerprint()
-    dht = start_dht(cfg.swarm, fingerprint=fingerprint)
+    identity = load_identity(cfg.swarm.identity)
+    dht = start_dht(cfg.swarm, identity, fingerprint=fingerprint)
     averager = None
     try:
         maddrs = visible_maddrs(dht)
@@ -109,7 +111,7 @@ def _run_endpoint(cfg: Config, out_dir: Path, name: Optional[str], ranks: Ranks)
             log.info("started a new swarm for run %r; others join with: --initial-peers %s",
                      cfg.swarm.run_id, " ".join(maddrs))
         print("\n".join(maddrs), flush=True)
-        averager = SwarmAverager(cfg.swarm, dht, fingerprint, name, cfg.faults)
+        averager = SwarmAverager(cfg.swarm, dht, identity, fingerprint, name, cfg.faults)
         ranks.share((name, peer_id))
         shard = shard_index(cfg.data, cfg.swarm.run_id, name)
 
@@ -133,6 +135,7 @@ def _run_endpoint(cfg: Config, out_dir: Path, name: Optional[str], ranks: Ranks)
             status.update(force=True, name=name, peer_id=peer_id, state="done", round=trainer.diloco.round, step=0,
                           loss=None)
         finally:  # finished, stopped or failed: say where this peer got to
+            trainer.history.events += averager.access.events  # peers refused, banned or ignored, and why
             path = write_summary(out_dir, cfg.swarm.run_id, "peer", cfg.to_dict(), time.time() - start,
                                  [_peer_json(out_dir, trainer, name, ranks)])
         return path

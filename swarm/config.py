@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
+
+from swarm.net.hostile import ATTACKS
 
 
 class ConfigError(ValueError):
@@ -119,7 +122,13 @@ class SwarmConfig:
     initial_peers: list[str] = field(default_factory=list)
     host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
     announce_maddrs: list[str] = field(default_factory=list)
-    identity_path: Optional[str] = None
+    identity: Optional[str] = None
+    """This peer's key file (created if missing): its peer id and the signature on its DHT records
+    (swarm/net/identity.py). None: a fresh key, and peer id, for every start."""
+    auth: Literal["open", "allowlist"] = "open"
+    """open: anyone may join. allowlist: only `allowed_peers` may write this run's DHT records, meet in
+    groups, send to the all-reduce or download the state (a private swarm)."""
+    allowed_peers: list[str] = field(default_factory=list)  # base58 peer ids (`swarm.auth: allowlist`)
     client_mode: bool = False
     target_group_size: int = 64  # a group forms at once when this many peers are ready
     min_group_size: int = 2
@@ -182,6 +191,7 @@ class FaultsConfig:
     # that a process start-up (seconds, more on a loaded machine) never races the swarm's rounds.
     hold_round: Optional[int] = None
     hold_file: str = ""
+    hostile: list[str] = field(default_factory=list)  # attacks this peer makes (swarm/net/hostile.py ATTACKS)
 
 
 @dataclass
@@ -220,6 +230,7 @@ def live_window(s: SwarmConfig) -> float:
 
 _BYTES = "swarm.stall_timeout and swarm.min_bandwidth (time-outs now follow the bytes)"
 RETIRED = {"swarm.allreduce_timeout": _BYTES, "swarm.round_timeout": _BYTES, "swarm.state_timeout": _BYTES,
+           "swarm.identity_path": "swarm.identity",
            "model.dtype": "inner.precision (parameters and optimizer state are always fp32; bf16 is autocast)"}
 """Keys that existed once: a config still using one is told what replaced it."""
 
@@ -359,6 +370,11 @@ def validate(cfg: Config) -> None:
     for name in ("bootstrap_timeout", "matchmaking_time", "stall_timeout", "progress_interval"):
         if not getattr(s, name) > 0:
             raise ConfigError(f"swarm.{name} must be a positive number of seconds")
+    if (s.auth == "allowlist") != bool(s.allowed_peers):
+        raise ConfigError("swarm.allowed_peers (peer ids) and swarm.auth: allowlist go together")
+    for peer in s.allowed_peers:
+        if not re.fullmatch(r"(Qm|12D3Koo)[1-9A-HJ-NP-Za-km-z]{40,50}", peer):
+            raise ConfigError(f"swarm.allowed_peers: {peer!r} is not a peer id (base58, Qm... or 12D3Koo...)")
     if not s.min_bandwidth > 0:
         raise ConfigError(f"swarm.min_bandwidth must be a positive number of bytes/s, got {s.min_bandwidth}")
     if not 0 <= cfg.diloco.delay < cfg.diloco.inner_steps:
@@ -367,6 +383,9 @@ def validate(cfg: Config) -> None:
     f = cfg.faults
     if (f.hold_round is None) != (not f.hold_file) or (f.hold_round is not None and f.hold_round < 0):
         raise ConfigError("faults.hold_round (a round >= 0) and faults.hold_file go together")
+    for kind in f.hostile:
+        if kind not in ATTACKS:
+            raise ConfigError(f"faults.hostile: unknown attack {kind!r} (known: {', '.join(ATTACKS)})")
     if s.progress_expiration <= live_window(s):
         raise ConfigError(f"swarm.progress_expiration {s.progress_expiration:g} must exceed the {live_window(s):g} s "
                           f"after which a silent peer counts as gone (5 x progress_interval + 2 x request_timeout)")

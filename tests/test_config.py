@@ -51,6 +51,12 @@ def test_overrides_in_both_forms():
     (["--diloco.delay", "40"], "diloco.delay"),
     (["--diloco.delay", "-1"], "diloco.delay"),
     (["--faults.hold_file", "x"], "faults.hold_round"),
+    (["--faults.hostile", "sneaky"], "faults.hostile: unknown attack 'sneaky'"),
+    (["--swarm.auth", "allowlist"], "swarm.allowed_peers"),
+    (["--swarm.auth", "allowlist", "--swarm.allowed_peers", "alice"], "swarm.allowed_peers: 'alice' is not a peer id"),
+    (["--swarm.allowed_peers", "QmaN6eWoit9vsGKnZdDbsEXTfXcBFT5e6VWhv3FTukYcCL"], "swarm.allowed_peers"),
+    (["--swarm.auth", "closed"], "swarm.auth"),
+    (["--swarm.identity_path", "k"], "swarm.identity_path' was replaced by swarm.identity"),
     (["--swarm.allreduce_timeout", "60"], "swarm.allreduce_timeout' was replaced by swarm.stall_timeout"),
 ])
 def test_bad_overrides_name_the_culprit(overrides, culprit):

@@ -33,6 +33,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from swarm.config import SwarmConfig
 from swarm.errors import SwarmError, UsageError
 from swarm.net import schema
+from swarm.net.identity import Identity, load_identity
 
 logger = logging.getLogger(__name__)
 
@@ -124,55 +125,78 @@ def _start_deadline(cfg: SwarmConfig) -> float:
     return 2 * cfg.bootstrap_timeout + START_GRACE
 
 
-def start_dht(cfg: SwarmConfig, *, fingerprint: Optional[str] = None) -> hivemind.DHT:
-    """Start a DHT peer for `cfg`; with `fingerprint`, also claim (or check) the run's fingerprint."""
+def allowed_peers(cfg: SwarmConfig) -> Optional[frozenset[str]]:
+    """The peers a private swarm admits (`swarm.auth: allowlist`); None: an open swarm."""
+    return frozenset(cfg.allowed_peers) if cfg.auth == "allowlist" else None
+
+
+def start_dht(cfg: SwarmConfig, identity: Optional[Identity] = None, *,
+              fingerprint: Optional[str] = None) -> hivemind.DHT:
+    """Start a DHT peer for `cfg` as `identity` (default: `swarm.identity`); with `fingerprint`, also sign
+    (or check) the run's fingerprint."""
     initial = _parse_maddrs("initial_peers", cfg.initial_peers, need_peer_id=True)
     host = _parse_maddrs("host_maddrs", cfg.host_maddrs)
     announce = _parse_maddrs("announce_maddrs", cfg.announce_maddrs)
-    dht = hivemind.DHT(
-        initial_peers=initial, start=False, host_maddrs=host, announce_maddrs=announce or None,
-        identity_path=cfg.identity_path, client_mode=cfg.client_mode,
-        record_validators=schema.validators(cfg.run_id),
-        startup_timeout=cfg.bootstrap_timeout,  # p2pd start-up (its default, 15 s, is the usual field failure)
-        bootstrap_timeout=cfg.bootstrap_timeout, ensure_bootstrap_success=bool(initial),
-    )
-    try:
-        with children_die_with_us():
-            dht.run_in_background(await_ready=True, timeout=_start_deadline(cfg))
-    except concurrent.futures.TimeoutError:
-        _stop(dht)
-        if not initial:
-            raise SwarmError(f"the DHT did not start within {_start_deadline(cfg):g} s "
-                             f"(2 x swarm.bootstrap_timeout + {START_GRACE:g} s)") from None
-        raise SwarmError(f"initial peers unreachable: no answer from {', '.join(initial)} within "
-                         f"{_start_deadline(cfg):g} s (2 x swarm.bootstrap_timeout + {START_GRACE:g} s)") from None
-    except Exception as e:  # P2PDaemonError, RuntimeError from DHTNode.create: explained, child reaped
-        _stop(dht)
-        raise _explain(e, cfg) from e
+    identity = identity or load_identity(cfg.identity)
+    allowed = allowed_peers(cfg)
+    if allowed is not None and identity.peer_id.to_base58() not in allowed:
+        raise UsageError(f"swarm.allowed_peers: this peer's own id {identity.peer_id} is not in the allowlist "
+                         f"(swarm.identity {identity.path or '(fresh key)'})")
+    with identity.key_file() as key_file:
+        dht = hivemind.DHT(
+            initial_peers=initial, start=False, host_maddrs=host, announce_maddrs=announce or None,
+            identity_path=key_file, client_mode=cfg.client_mode,
+            record_validators=schema.validators(cfg.run_id, identity, allowed),
+            startup_timeout=cfg.bootstrap_timeout,  # p2pd start-up (its default, 15 s, is the usual field failure)
+            bootstrap_timeout=cfg.bootstrap_timeout, ensure_bootstrap_success=bool(initial),
+        )
+        try:
+            with children_die_with_us():
+                dht.run_in_background(await_ready=True, timeout=_start_deadline(cfg))
+        except concurrent.futures.TimeoutError:
+            _stop(dht)
+            if not initial:
+                raise SwarmError(f"the DHT did not start within {_start_deadline(cfg):g} s "
+                                 f"(2 x swarm.bootstrap_timeout + {START_GRACE:g} s)") from None
+            raise SwarmError(f"initial peers unreachable: no answer from {', '.join(initial)} within "
+                             f"{_start_deadline(cfg):g} s (2 x swarm.bootstrap_timeout + {START_GRACE:g} s)") from None
+        except Exception as e:  # P2PDaemonError, RuntimeError from DHTNode.create: explained, child reaped
+            _stop(dht)
+            raise _explain(e, cfg) from e
     if fingerprint is not None:
         try:
-            check_fingerprint(dht, cfg, fingerprint)
+            check_fingerprint(dht, cfg, identity, fingerprint)
         except BaseException:
             dht.shutdown()
             raise
     return dht
 
 
-def check_fingerprint(dht: hivemind.DHT, cfg: SwarmConfig, fingerprint: str) -> None:
-    """Refuse to join a run whose stored fingerprint differs; otherwise (re)store ours.
+def run_fingerprint(records: dict[str, schema.RunRecord]) -> Optional[str]:
+    """The fingerprint most peers of the run signed (ties: the one signed first), None for a new run. Each
+    peer signs only its own record, so a stranger adds one vote and cannot replace anyone's."""
+    votes: dict[str, list[float]] = {}
+    for record in records.values():
+        votes.setdefault(record.fingerprint, []).append(record.time)
+    return min(votes, key=lambda fp: (-len(votes[fp]), min(votes[fp])), default=None)
 
-    Two peers racing with different fingerprints both store; the DHT keeps the record with the later
-    expiration, and the re-read after storing makes the loser refuse.
+
+def check_fingerprint(dht: hivemind.DHT, cfg: SwarmConfig, identity: Identity, fingerprint: str) -> None:
+    """Refuse to join a run whose peers signed another fingerprint; otherwise sign ours.
+
+    Two peers racing with different fingerprints both sign; the re-read after storing makes the one
+    outvoted (or, on a tie, the later) refuse.
     """
     key = schema.run_key(cfg.run_id)
     for attempt in range(2):
-        found = dht.get(key, latest=True)
-        stored = found.value if found is not None else None
+        stored = run_fingerprint(schema.read_owned(dht.get(key, latest=True), schema.RunRecord, get_dht_time()))
         if stored is not None and stored != fingerprint:
             raise SwarmError(f"refusing to join run {cfg.run_id!r}: its model/run settings differ "
                              f"(fingerprint {stored} != {fingerprint})")
         if attempt == 0:
-            dht.store(key, fingerprint, expiration_time=get_dht_time() + schema.RUN_RECORD_EXPIRATION)
+            now = get_dht_time()
+            dht.store(key, schema.RunRecord(fingerprint=fingerprint, time=now).dict(), subkey=identity.owner,
+                      expiration_time=now + schema.RUN_RECORD_EXPIRATION)
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:

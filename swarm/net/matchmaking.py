@@ -24,6 +24,10 @@ as they all joined. A peer not yet visible (a newcomer) may miss the group; it t
 and downloads the state. A peer's first group waits the full matchmaking_time: peers started with it may
 not have published a record yet.
 
+Every member's meta is untrusted: it must fit `GroupMeta` (strict types, bounded sizes) or the group is
+left and the member charged an offense (access.py); a group holding a peer that `Access` refuses (not in
+the allowlist, or banned) is left as well, and as a leader this peer refuses such peers' join requests.
+
 Timeouts, all from SwarmConfig:
 - `min_matchmaking_time = matchmaking_time`: how long a leader waits for followers it expects but
   that do not come (a peer that died with its record still fresh);
@@ -41,17 +45,20 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, AsyncIterator, Optional
 
 import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.serializer import MSGPackSerializer
+from pydantic.v1 import BaseModel, ValidationError, confloat, conint, constr
 
 from swarm.config import SwarmConfig
 from swarm.net import schema
+from swarm.net.access import Access
 from swarm.net.dht import children_die_with_us
 
 logger = logging.getLogger(__name__)
@@ -64,6 +71,20 @@ class Group:
     group_id: bytes
     members: list[PeerID]  # same order on every member
     metas: list[dict[str, Any]]  # members' gathered metadata, same order
+
+
+class GroupMeta(BaseModel):
+    """What each member tells its group when it forms: checked before any of it is used."""
+
+    round: conint(ge=0, strict=True)
+    nonce: constr(regex=r"^[0-9a-f]{16}$", strict=True)
+    token: confloat(ge=1.0, le=2.0**16, strict=True)
+    samples: conint(ge=0, strict=True) = 0  # inner samples since the last commit: the member's weight
+    numel: conint(ge=0, strict=True) = 0  # elements of the vector it averages
+    base: schema.Sha256 = ""  # hash of the global parameters its pseudo-gradient starts from
+
+    class Config:
+        extra = "forbid"
 
 
 class NoGroup(Exception):
@@ -89,7 +110,30 @@ def group_id(members: list[PeerID], metas: list[dict]) -> bytes:
 
 
 class _GroupAverager(DecentralizedAverager):
-    """hivemind's averager with a per-step group size: a leader starts as soon as this many peers joined."""
+    """hivemind's averager with a per-step group size (a leader starts as soon as this many peers joined)
+    that, as a leader, refuses the join requests of peers its `Access` refuses."""
+
+    def __init__(self, *args, access: Access, **kwargs):
+        self._access = access  # copied into the averager's process when it forks; bans follow by `refuse`
+        super().__init__(*args, **kwargs)
+
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
+                             context: P2PContext) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if not self._access.admits(context.remote_id):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    def refuse(self, peer_id: str) -> None:
+        """Ban `peer_id` in the averager's process too."""
+        future = MPFuture()
+        self._outer_pipe.send(("_refuse", [], dict(peer_id=peer_id, future=future)))
+        future.result()
+
+    async def _refuse(self, peer_id: str, future: MPFuture) -> None:
+        self._access.banned.add(peer_id)
+        future.set_result(None)
 
     def set_target_group_size(self, size: int) -> None:
         future = MPFuture()
@@ -105,8 +149,8 @@ class _GroupAverager(DecentralizedAverager):
 
 
 class Matchmaker:
-    def __init__(self, cfg: SwarmConfig, dht: hivemind.DHT, fingerprint: str):
-        self.cfg = cfg
+    def __init__(self, cfg: SwarmConfig, dht: hivemind.DHT, fingerprint: str, access: Optional[Access] = None):
+        self.cfg, self.access = cfg, access or Access()
         with children_die_with_us():
             self._averager = _GroupAverager(
                 [torch.zeros(1)], dht, start=True,
@@ -115,7 +159,9 @@ class Matchmaker:
                 min_matchmaking_time=cfg.matchmaking_time, request_timeout=cfg.request_timeout,
                 allreduce_timeout=cfg.stall_timeout, next_chunk_timeout=cfg.request_timeout,
                 allow_state_sharing=False, client_mode=cfg.client_mode, shutdown_timeout=cfg.request_timeout,
+                access=self.access,
             )
+        self._refused: set[str] = set()  # bans already sent to the averager's process
 
     def form_group(self, round: int, meta: dict[str, Any], timeout: float, expected: Optional[int] = None) -> Group:
         """Meet the peers of `round` (at most `timeout` s); raise NoGroup if none could be met.
@@ -123,6 +169,9 @@ class Matchmaker:
         `expected`: how many peers (us included) are live at this round; a group closes as soon as that many
         met (capped by `target_group_size`) instead of after `matchmaking_time`.
         """
+        for peer in self.access.banned - self._refused:
+            self._averager.refuse(peer)
+            self._refused.add(peer)
         token = float(random.randint(1, 2**16))
         meta = dict(meta, round=round, nonce=os.urandom(8).hex(), token=token)
         self._averager.set_group_bits(round_bits(round))
@@ -141,12 +190,24 @@ class Matchmaker:
         members, metas = list(gathered.keys()), list(gathered.values())
         if len(members) < 2:
             raise NoGroup(f"round {round}: only this peer in its group", alone=True)
-        if any(not isinstance(m, dict) or m.get("round") != round for m in metas):
-            raise NoGroup(f"round {round}: a groupmate sent metadata of another round", alone=False)
-        expected = sum(float(m.get("token", 0.0)) for m in metas) / len(metas)
+        group = Group(group_id(members, metas), members, metas)
+        refused = [str(p) for p in members if not self.access.admits(p)]
+        if refused:
+            raise NoGroup(f"round {round}: leaving a group with refused peers: {', '.join(refused)}", alone=False,
+                          left=group)
+        try:
+            checked = [GroupMeta.parse_obj(m) for m in metas]
+        except ValidationError:
+            bad = [str(p) for p, m in zip(members, metas) if not _fits(m)]
+            for peer in bad:
+                self.access.offense(peer, "sent malformed matchmaking metadata")
+            raise NoGroup(f"round {round}: malformed matchmaking metadata from {', '.join(bad)}", alone=False,
+                          left=group) from None
+        if any(m.round != round for m in checked):
+            raise NoGroup(f"round {round}: a groupmate sent metadata of another round", alone=False, left=group)
+        expected = sum(m.token for m in checked) / len(checked)
         with self._averager.get_tensors() as tensors:
             got = float(tensors[0])
-        group = Group(group_id(members, metas), members, metas)
         if abs(got - expected) > 1e-4 * expected:
             raise NoGroup(f"a phantom group of {len(members)}: not every member took part in the matchmaking "
                           f"barrier", alone=False, left=group)
@@ -156,3 +217,11 @@ class Matchmaker:
         if self._averager.is_alive():
             self._averager.shutdown()
         self._averager.join(self.cfg.request_timeout)
+
+
+def _fits(meta: Any) -> bool:
+    try:
+        GroupMeta.parse_obj(meta)
+        return True
+    except (ValidationError, TypeError):
+        return False

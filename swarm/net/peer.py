@@ -41,13 +41,17 @@ from swarm.config import FaultsConfig, SwarmConfig, live_window
 from swarm.diloco import PseudoGradient
 from swarm.errors import SwarmError
 from swarm.net import policy, schema
+from swarm.net.access import Access
 from swarm.net.allreduce import AllReduce
 from swarm.net.budget import chunk_elements, round_deadline, transfer_deadline
 from swarm.net.codec import get_codec
+from swarm.net.dht import allowed_peers
 from swarm.net.groupstate import AllReduceFailed, Contribution
+from swarm.net.hostile import hooks_for
+from swarm.net.identity import Identity
 from swarm.net.layout import WireLayout
 from swarm.net.matchmaking import Group, Matchmaker, NoGroup
-from swarm.net.statesync import StateRefused, StateServer, download
+from swarm.net.statesync import StateForged, StateRefused, StateServer, download
 from swarm.net.wire import WireError
 
 logger = logging.getLogger(__name__)
@@ -70,11 +74,11 @@ def _die_now() -> None:
 class SwarmAverager(Averager):
     networked = True
 
-    def __init__(self, cfg: SwarmConfig, dht: hivemind.DHT, fingerprint: str, peer_name: str,
+    def __init__(self, cfg: SwarmConfig, dht: hivemind.DHT, identity: Identity, fingerprint: str, peer_name: str,
                  faults: Optional[FaultsConfig] = None):
         self.cfg, self.dht, self.fingerprint, self.peer_name = cfg, dht, fingerprint, peer_name
         self.faults = faults or FaultsConfig()
-        self.peer_id = str(dht.peer_id)
+        self.peer_id, self._owner = str(dht.peer_id), identity.owner  # our records' subkey: we sign them
         self._codec = get_codec(cfg.compression)
         self._last_progress: Optional[tuple] = None  # publish_progress arguments, re-sent by the heartbeat
         self._ready_seen: tuple[int, float, bool] = (-1, 0.0, False)  # others_ready: (round, when asked, answer)
@@ -84,7 +88,10 @@ class SwarmAverager(Averager):
         self._pool = concurrent.futures.ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 2)),
                                                            thread_name_prefix="swarm-cpu")
         # The averager forks a process: create it before our threads exist.
-        self._matchmaker = Matchmaker(cfg, dht, fingerprint)
+        self.access = Access(allowed_peers(cfg))
+        self.hooks = hooks_for(self.faults.hostile)  # a hostile peer's attacks (tests and demos only)
+        self._published: Optional[schema.ProgressRecord] = None  # our last record, as we made it
+        self._matchmaker = Matchmaker(cfg, dht, fingerprint, self.access)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="swarm-net", daemon=True)
         self._thread.start()
@@ -94,7 +101,8 @@ class SwarmAverager(Averager):
             self._p2p = self._call(dht.replicate_p2p(), cfg.bootstrap_timeout)
             name = lambda what: schema.handler_name(cfg.run_id, fingerprint, what)  # noqa: E731
             self._allreduce = AllReduce(self._p2p, name("ar"), cfg.stall_timeout, cfg.min_bandwidth, self._pool)
-            self._server = StateServer(self._p2p, name("state"), cfg.stall_timeout, self._pool)
+            self._server = StateServer(self._p2p, name("state"), cfg.stall_timeout, self._pool, self.access,
+                                       self.hooks)
             self._state_handler = name("state")
             self._call(self._start_handlers(), cfg.bootstrap_timeout)
         except BaseException:
@@ -139,7 +147,7 @@ class SwarmAverager(Averager):
                                     donors=list(position.donors), note=position.note)
             try:
                 group = self._matchmaker.form_group(
-                    round, {"samples": int(samples), "numel": full.numel, "base": base},
+                    round, self.hooks.meta({"samples": int(samples), "numel": full.numel, "base": base}),
                     timeout=min(left, 2 * self.cfg.matchmaking_time),
                     expected=position.expected_group if self._averaged_once else None)
                 group = self._on_majority_base(group, base)
@@ -167,7 +175,7 @@ class SwarmAverager(Averager):
                 if any(m.get("numel") != full.numel for m in group.metas):
                     raise AllReduceFailed(f"groupmates average vectors of other sizes: "
                                           f"{[m.get('numel') for m in group.metas]}")
-                contribution = Contribution(pseudo_grad.read, float(samples), out, residual)
+                contribution = Contribution(pseudo_grad.read, self.hooks.weight(float(samples)), out, residual)
                 bound = transfer_deadline(layout.member_wire_bytes(group.members.index(self._p2p.peer_id)),
                                           self.cfg.stall_timeout, self.cfg.min_bandwidth) + self.cfg.stall_timeout
                 allreduce_start = time.monotonic()
@@ -218,7 +226,9 @@ class SwarmAverager(Averager):
                 peer_id=self.peer_id, name=self.peer_name, round=round, inner_step=inner_step, samples=samples,
                 samples_per_s=float(samples_per_s), time=float(now), serves_state=self._server.snapshot is not None,
                 ready=ready, sha256=sha256)
-            future = self.dht.store(schema.progress_key(self.cfg.run_id), record.dict(), subkey=self.peer_id,
+            self._published = record
+            future = self.dht.store(schema.progress_key(self.cfg.run_id), self.hooks.progress(record.dict()),
+                                    subkey=self._owner,
                                     expiration_time=now + self.cfg.progress_expiration, return_future=True)
         try:
             if not future.result(timeout=self.cfg.request_timeout) and warn:
@@ -235,26 +245,25 @@ class SwarmAverager(Averager):
                 self._store_progress(warn=False)
 
     def _read(self, key: str, model: type) -> dict[str, object]:
+        """This run's records under `key` by their signers' peer ids (schema.read_owned)."""
         with self._dht_lock:
             future = self.dht.get(key, latest=True, return_future=True)
-        found = future.result()
-        if found is None or not isinstance(found.value, dict):
-            return {}
-        now, records = get_dht_time(), {}
-        for subkey, item in found.value.items():
-            record = schema.parse(model, item.value)
-            if record is not None and item.expiration_time > now:
-                records[subkey] = record
-        return records
+        return schema.read_owned(future.result(), model, get_dht_time())
 
     def peers(self) -> list[schema.ProgressRecord]:
-        """Progress records of this run (ours included), each under its own peer id."""
-        return [r for k, r in self._read(schema.progress_key(self.cfg.run_id), schema.ProgressRecord).items()
-                if r.peer_id == k]
+        """Progress records of this run (ours included, as we made it), each signed by the peer it describes."""
+        records = self._read(schema.progress_key(self.cfg.run_id), schema.ProgressRecord)
+        if self.peer_id in records and self._published is not None:
+            records[self.peer_id] = self._published
+        return list(records.values())
 
     def _assess(self, round: int, sha256: str, commits: bool = True) -> policy.Position:
         records = self._read(schema.commits_key(self.cfg.run_id), schema.CommitRecord) if commits else {}
-        return policy.assess(self.peer_id, round, sha256, self.peers(), records, get_dht_time(), live_window(self.cfg))
+        position = policy.assess(self.peer_id, round, sha256, self.peers(), records, get_dht_time(),
+                                 live_window(self.cfg))
+        for peer in position.ignored:
+            self.access.note("ignored_claim", peer, "claims a round more than one past the swarm's majority")
+        return position
 
     def others_ready(self, round: int) -> bool:
         """Asked after every inner step; reads the DHT at most once per `progress_interval` (a fresh answer
@@ -274,7 +283,7 @@ class SwarmAverager(Averager):
         now = get_dht_time()
         record = schema.CommitRecord(name=self.peer_name, round=snapshot.round, sha256=snapshot.sha256, time=now)
         with self._dht_lock:
-            future = self.dht.store(schema.commits_key(self.cfg.run_id), record.dict(), subkey=self.peer_id,
+            future = self.dht.store(schema.commits_key(self.cfg.run_id), record.dict(), subkey=self._owner,
                                     expiration_time=now + schema.RUN_RECORD_EXPIRATION, return_future=True)
         try:
             future.result(timeout=self.cfg.request_timeout)
@@ -289,6 +298,9 @@ class SwarmAverager(Averager):
         self.publish_progress(round, 0, 0, 0.0, ready=False, sha256=sha256)
         start, tried = time.monotonic(), {}
         deadline = start + live_window(self.cfg) + self.cfg.stall_timeout
+        written = []  # a refused download may have overwritten part of our state: then only a whole one may follow
+        destinations = intake.destinations
+        intake = Intake(lambda specs: written.append(True) or destinations(specs), intake.accept)
         while True:
             position = self._assess(round, sha256)
             needed = must or position.verdict in (policy.Verdict.BEHIND, policy.Verdict.DIVERGED)
@@ -302,15 +314,18 @@ class SwarmAverager(Averager):
                 continue
             if not needed and not candidates:
                 return None
-            for peer_id in candidates:
+            for peer_id in [c for c in candidates if self.access.admits(c)]:
                 try:
-                    check = lambda r, h: self._check_state(r, h, round, sha256, must)  # noqa: E731
+                    check = lambda r, h, must=must: self._check_state(r, h, round, sha256, must)  # noqa: E731
                     got = self._call(download(self._p2p, PeerID.from_base58(peer_id), self._state_handler,
                                               self.cfg.stall_timeout, self.cfg.min_bandwidth, intake, check,
                                               self._pool), None)
                 except (StateRefused, WireError, ValueError) as e:
                     logger.warning(f"state from {peer_id} refused: {e}")
+                    if isinstance(e, StateForged):
+                        self.access.offense(peer_id, f"served a forged state: {e}")
                     tried[peer_id] = str(e)
+                    must = must or bool(written)
                     continue
                 logger.info(f"fetched the state of round {got.round} from {peer_id}: {got.bytes / 1e6:.0f} MB in "
                             f"{got.seconds:.1f} s ({got.bytes / 1e6 / max(got.seconds, 1e-9):.0f} MB/s)")
@@ -331,8 +346,9 @@ class SwarmAverager(Averager):
             return f"not newer than ours (round {round})"
         commits = self._read(schema.commits_key(self.cfg.run_id), schema.CommitRecord)
         commits.pop(self.peer_id, None)  # our own vote is the state we are replacing
-        tally = policy.votes([r for r in self.peers() if r.peer_id != self.peer_id], commits, get_dht_time(),
-                             live_window(self.cfg))
+        others = [r for r in self.peers() if r.peer_id != self.peer_id]
+        now, window = get_dht_time(), live_window(self.cfg)
+        tally = policy.votes(*policy.plausible(self.peer_id, others, commits, now, window), now, window)
         committed = policy.winner(tally.get(got_round))
         if committed is None:
             return f"no peer vouches for round {got_round}"

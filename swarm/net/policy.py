@@ -17,6 +17,14 @@ function itself does no I/O, so it is tested over tables of records (tests/net/t
 - AVERAGE: peers share our round and hash: keep matchmaking with them.
 - UNSURE: the read misses our own fresh record, so it failed (a DHT time-out looks like an empty swarm):
   decide nothing on it.
+
+Claims are believed only within bounds (`plausible`), since any stranger may sign records: a round more
+than one past the lower median of the other live peers' rounds (with no other peer live, of the others'
+last commits) is ignored, so a forger claiming round 2**40 is neither followed nor taken as a donor; and
+others are `ready` (this peer stops its inner steps early to meet them) only when most live groupmates
+say so, so one peer claiming readiness from the start of every round cannot cut everyone's rounds short.
+Both hold while honest peers are the majority of the peers one reads; a private swarm
+(`swarm.auth: allowlist`) keeps strangers out altogether.
 """
 
 from __future__ import annotations
@@ -44,12 +52,32 @@ class Position:
     swarm_sha256: Optional[str]  # that round's winning hash
     expected_group: Optional[int]  # live peers that may average our round, us included (None: unsure)
     donors: tuple[str, ...] = ()  # BEHIND / DIVERGED: peer ids to take the state from, best first
-    others_ready: bool = False  # a live peer at our round and hash finished its inner steps
+    others_ready: bool = False  # most live peers at our round and hash finished their inner steps
     note: str = ""
+    ignored: tuple[str, ...] = ()  # peers whose round claims were implausible (see `plausible`)
 
 
 def is_live(record: ProgressRecord, now: float, window: float) -> bool:
     return now - record.time <= window
+
+
+def _lower_median(values: list[int]) -> int:
+    return sorted(values)[(len(values) - 1) // 2]
+
+
+def plausible(me: str, progress: Sequence[ProgressRecord], commits: Mapping[str, CommitRecord], now: float,
+              window: float) -> tuple[list[ProgressRecord], dict[str, CommitRecord]]:
+    """The records whose round is at most one past the others' majority (ours are always kept). One round
+    per other peer: its live progress record's, else its last commit's. The ceiling is one past the lower
+    median of those rounds, or of the live ones alone if that is higher (peers that left long ago do not
+    hold back the live swarm)."""
+    live = {r.peer_id: r.round for r in progress if is_live(r, now, window) and r.peer_id != me}
+    rounds = [*live.values(), *(c.round for p, c in commits.items() if p != me and p not in live)]
+    if not rounds:
+        return list(progress), dict(commits)
+    ceiling = max(_lower_median(rounds), _lower_median(list(live.values())) if live else 0) + 1
+    return ([r for r in progress if r.peer_id == me or r.round <= ceiling],
+            {p: c for p, c in commits.items() if p == me or c.round <= ceiling})
 
 
 def votes(progress: Sequence[ProgressRecord], commits: Mapping[str, CommitRecord], now: float,
@@ -71,19 +99,24 @@ def winner(counts: Counter) -> Optional[str]:
 
 def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
            commits: Mapping[str, CommitRecord], now: float, window: float) -> Position:
+    claimed = {r.peer_id for r in progress} | set(commits)
+    progress, commits = plausible(me, progress, commits, now, window)
+    ignored = tuple(sorted(claimed - {r.peer_id for r in progress} - set(commits)))
     live = [r for r in progress if is_live(r, now, window)]
     tally = votes(progress, commits, now, window)
     swarm_round = max([round, *tally])
     swarm_sha = winner(tally.get(swarm_round, Counter()))
     if not any(r.peer_id == me for r in live):
-        return Position(Verdict.UNSURE, swarm_round, swarm_sha, None, note="progress records unreadable")
+        return Position(Verdict.UNSURE, swarm_round, swarm_sha, None, note="progress records unreadable",
+                        ignored=ignored)
     others = [r for r in live if r.peer_id != me]
     if swarm_round > round:
         ahead = [r for r in others if r.round > round and r.serves_state
                  and r.sha256 == winner(tally.get(r.round, Counter()))]
         ahead.sort(key=lambda r: (-r.round, r.peer_id))
         return Position(Verdict.BEHIND, swarm_round, swarm_sha, None, tuple(r.peer_id for r in ahead),
-                        note=f"behind: the swarm committed round {swarm_round}, we hold round {round}")
+                        note=f"behind: the swarm committed round {swarm_round}, we hold round {round}",
+                        ignored=ignored)
     expected = sum(1 for r in live if r.round in (round - 1, round))
     here = Counter(r.sha256 for r in others if r.round == round and r.sha256) + Counter({sha256: 1})
     majority = winner(here)
@@ -92,10 +125,10 @@ def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
                               and r.serves_state))
         return Position(Verdict.DIVERGED, swarm_round, swarm_sha, expected, donors,
                         note=f"{here[majority]} of {here.total()} live peers at round {round} hold other "
-                             f"global parameters than ours")
+                             f"global parameters than ours", ignored=ignored)
     mates = [r for r in others if r.round == round and r.sha256 in (sha256, "")]
-    ready = any(r.ready for r in mates)
+    ready = 2 * sum(r.ready for r in mates) > len(mates)
     if not mates:
-        return Position(Verdict.ALONE, swarm_round, swarm_sha, expected, note="alone")
+        return Position(Verdict.ALONE, swarm_round, swarm_sha, expected, note="alone", ignored=ignored)
     return Position(Verdict.AVERAGE, swarm_round, swarm_sha, expected, others_ready=ready,
-                    note=f"{len(mates)} live peers share round {round}")
+                    note=f"{len(mates)} live peers share round {round}", ignored=ignored)

@@ -4,14 +4,20 @@ All keys live under the run prefix `cfg.run_id`, so several runs can share one D
 `hivemind-dht` bootstrap). hivemind's `SchemaValidator(schema, prefix=run_id)` maps field `f` of
 `RunSchema` to the raw DHT key `f"{run_id}_{f}"`:
 
-- `{run_id}_progress`  dictionary, subkey = peer id (base58 str), value = `ProgressRecord.dict()`;
+Every record is owned and signed (identity.py): its subkey is the writer's owner marker
+`[owner:<RSA public key>]` and its value carries the writer's signature (hivemind's `RSASignatureValidator`,
+checked by every DHT node that stores it and every peer that reads it). `read_owned` derives each record's
+peer id from that key, so a peer can only ever speak for itself.
+
+- `{run_id}_progress`  dictionary, subkey = owner marker, value = `ProgressRecord.dict()`;
   re-stored by the peer's heartbeat every `progress_interval`, expires `cfg.progress_expiration` after it
   was written. Liveness is read from its `time` (`policy.py`), expiry only removes the dead.
-- `{run_id}_commits`   dictionary, subkey = peer id, value = `CommitRecord.dict()`: the last round each peer
+- `{run_id}_commits`   dictionary, subkey = owner marker, value = `CommitRecord.dict()`: the last round each peer
   committed or downloaded and its hash; kept `RUN_RECORD_EXPIRATION`, long after the peer left, so a peer
   that comes back late knows how far the swarm got (and never trains on alone from an older round).
-- `{run_id}_run`       the run fingerprint (str, `Config.fingerprint()`): what peers must share to
-  average together. The first peer writes it; later peers with a different fingerprint refuse to join.
+- `{run_id}_run`       dictionary, subkey = owner marker, value = `RunRecord.dict()`: the run fingerprint
+  (`Config.fingerprint()`) each peer joined with, what peers must share to average together. A peer whose
+  fingerprint differs from the one most peers of the run signed refuses to join (dht.py).
 
 Matchmaking keys are hivemind's own (`{run_id}_{fingerprint}.0b<round bits>`, see matchmaking.py);
 P2P stream names are built by `handler_name()`.
@@ -24,13 +30,20 @@ from __future__ import annotations
 import re
 from typing import Optional, Union
 
-from hivemind.dht.schema import SchemaValidator
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
+from hivemind.dht.schema import SchemaValidator, conbytes
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils.serializer import MSGPackSerializer
 from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictStr, ValidationError, confloat, conint, constr
+
+from swarm.net.identity import Identity, owner_peer_id
 
 RUN_RECORD_EXPIRATION = 7 * 24 * 3600.0
 """The fingerprint and commit records outlive every peer of a run by this much; a DHT needs an expiration."""
 
 Sha256 = constr(regex=r"^([0-9a-f]{64})?$", strict=True)
+Owner = conbytes(regex=b"^" + RSASignatureValidator.PUBLIC_KEY_REGEX + b"$", max_length=2048)
 
 
 class ProgressRecord(BaseModel):
@@ -57,10 +70,17 @@ class CommitRecord(BaseModel):
     time: StrictFloat
 
 
+class RunRecord(BaseModel):
+    """The run fingerprint one peer joined with."""
+
+    fingerprint: StrictStr
+    time: StrictFloat
+
+
 class RunSchema(BaseModel):
-    progress: dict[StrictStr, Optional[ProgressRecord]]
-    commits: dict[StrictStr, Optional[CommitRecord]]
-    run: StrictStr
+    progress: dict[Owner, Optional[ProgressRecord]]
+    commits: dict[Owner, Optional[CommitRecord]]
+    run: dict[Owner, Optional[RunRecord]]
 
 
 def progress_key(run_id: str) -> str:
@@ -90,13 +110,57 @@ def handler_name(run_id: str, fingerprint: str, what: str) -> str:
     return f"swarm_{matchmaking_prefix(run_id, fingerprint)}_{what}"
 
 
-def validators(run_id: str) -> list[SchemaValidator]:
-    return [SchemaValidator(RunSchema, allow_extra_keys=True, prefix=run_id)]
+class AllowlistValidator(RecordValidatorBase):
+    """In a private swarm (`swarm.auth: allowlist`), DHT nodes refuse this run's records from strangers: a
+    record under one of the run's keys counts only if its owner's peer id is in `swarm.allowed_peers`."""
+
+    def __init__(self, run_id: str, allowed: frozenset[str]):
+        self.allowed = allowed
+        self.keys = {DHTID.generate(source=key(run_id)).to_bytes()
+                     for key in (progress_key, commits_key, run_key)}
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key not in self.keys:
+            return True
+        try:
+            subkey = MSGPackSerializer.loads(record.subkey)
+        except Exception:  # msgpack raises several unrelated types on garbage; garbage is no owner
+            return False
+        return owner_peer_id(subkey) in self.allowed
+
+    @property
+    def priority(self) -> int:
+        return 20  # validated before the signature is checked (cheaper) and the value is parsed
 
 
-def parse(model: type[BaseModel], value: object) -> Optional[Union[ProgressRecord, CommitRecord]]:
+def validators(run_id: str, identity: Identity, allowed: Optional[frozenset[str]] = None) -> list[RecordValidatorBase]:
+    """Schema (types, owner-marker subkeys) and signatures for every record; with `allowed`, owners too."""
+    out = [SchemaValidator(RunSchema, allow_extra_keys=True, prefix=run_id), identity.validator()]
+    if allowed is not None:
+        out.append(AllowlistValidator(run_id, allowed))
+    return out
+
+
+def parse(model: type[BaseModel], value: object) -> Optional[Union[ProgressRecord, CommitRecord, RunRecord]]:
     """A record of `model` from a DHT value, or None if it does not fit the schema."""
     try:
         return model.parse_obj(value)
     except ValidationError:  # also raised for a non-dict value: a record we cannot use is no record
         return None
+
+
+def read_owned(found: object, model: type[BaseModel], now: float) -> dict[str, BaseModel]:
+    """The unexpired records of a DHT dictionary value (`dht.get(..., latest=True)`), by their owner's peer
+    id. A record that does not fit `model`, or a progress record naming another peer than its owner, is
+    no record."""
+    if found is None or not isinstance(getattr(found, "value", None), dict):
+        return {}
+    records = {}
+    for subkey, item in found.value.items():
+        peer_id = owner_peer_id(subkey)
+        record = parse(model, item.value) if peer_id is not None else None
+        if isinstance(record, ProgressRecord) and record.peer_id != peer_id:
+            record = None
+        if record is not None and item.expiration_time > now:
+            records[peer_id] = record
+    return records

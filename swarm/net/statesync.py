@@ -34,7 +34,9 @@ from hivemind.p2p import P2P, PeerID
 
 from swarm.averaging import Download, Intake, Snapshot
 from swarm.errors import SwarmError
+from swarm.net.access import Access
 from swarm.net.budget import transfer_deadline
+from swarm.net.hostile import Hooks
 from swarm.net.wire import Channel, Kind, ProtocolError, serve
 from swarm.state import TensorSpec
 from swarm.tensors import byte_view
@@ -49,13 +51,19 @@ class StateRefused(SwarmError):
     """A donor's state does not fit, is not what the swarm committed, or did not arrive whole."""
 
 
+class StateForged(StateRefused):
+    """The donor's bytes do not hash to the committed hash it announced: no honest donor sends that."""
+
+
 class Moved(SwarmError):
     """The donor's state changed under a download (it committed again, or is loading a state)."""
 
 
 class StateServer:
-    def __init__(self, p2p: P2P, name: str, stall: float, pool: concurrent.futures.Executor):
+    def __init__(self, p2p: P2P, name: str, stall: float, pool: concurrent.futures.Executor,
+                 access: Optional[Access] = None, hooks: Optional[Hooks] = None):
         self.p2p, self.name, self.stall, self.pool = p2p, name, stall, pool
+        self.access, self.hooks = access or Access(), hooks or Hooks()
         self.snapshot: Optional[Snapshot] = None
         self._busy = 0
 
@@ -77,6 +85,8 @@ class StateServer:
 
     async def _serve(self, channel: Channel) -> None:
         await channel.recv_control()
+        if not self.access.admits(channel.peer):
+            return await channel.fail(self.access.refusal(channel.peer))
         snapshot = self.snapshot
         if snapshot is None or snapshot.current_version() != snapshot.version:
             return await channel.fail("no state to serve right now")
@@ -94,7 +104,7 @@ class StateServer:
                     end = min(start + DATA_BYTES, spec.nbytes)
                     data = await loop.run_in_executor(self.pool, self._read, snapshot, tensor, start, end,
                                                       not spec.name.startswith("adam."))
-                    await channel.send(Kind.DATA, data)
+                    await channel.send(Kind.DATA, self.hooks.state(spec.name, data))
         except Moved as e:
             await channel.fail(str(e))
         finally:
@@ -160,7 +170,7 @@ async def download(p2p: P2P, peer: PeerID, name: str, stall: float, min_bandwidt
             raise StateRefused(f"{total} bytes not done within {transfer_deadline(total, stall, min_bandwidth):.0f} s "
                                f"(swarm.min_bandwidth)") from None
         if digest.hexdigest() != sha:
-            raise StateRefused(f"its global parameters hash to {digest.hexdigest()[:12]}, not the announced "
+            raise StateForged(f"its global parameters hash to {digest.hexdigest()[:12]}, not the announced "
                                f"{sha[:12]}")
         try:
             intake.accept(meta)

@@ -23,6 +23,7 @@ from swarm.config import SwarmConfig
 from swarm.diloco import PseudoGradient
 from swarm.net import allreduce
 from swarm.net.dht import start_dht
+from swarm.net.identity import load_identity
 from swarm.net.peer import SwarmAverager
 
 
@@ -38,8 +39,9 @@ def as_pseudo_gradient(tensors: list[torch.Tensor]) -> PseudoGradient:
 
 def main(job: dict) -> None:
     cfg = SwarmConfig(**job["cfg"])
-    dht = start_dht(cfg, fingerprint=job["fingerprint"])
-    averager = SwarmAverager(cfg, dht, job["fingerprint"], job["name"])
+    identity = load_identity(None)
+    dht = start_dht(cfg, identity, fingerprint=job["fingerprint"])
+    averager = SwarmAverager(cfg, dht, identity, job["fingerprint"], job["name"])
     try:
         if job["mode"] == "nan":  # skip our own check: the owners must refuse it
             def encode_unchecked(self, group, chunk):

@@ -71,7 +71,7 @@ def test_fingerprint_mismatch_is_refused(bootstrap):
 
 @pytest.mark.timeout(30)
 def test_identity_file_fixes_the_peer_id(tmp_path):
-    cfg = fast_cfg(identity_path=str(tmp_path / "id.key"))
+    cfg = fast_cfg(identity=str(tmp_path / "id.key"))
     ids = []
     for _ in range(2):
         dht = start_dht(cfg)

@@ -58,3 +58,26 @@ def test_a_group_closes_once_every_expected_peer_joined():
         finally:
             for m in makers:
                 m.close()
+
+
+@pytest.mark.timeout(90)
+def test_garbage_metadata_is_refused_and_its_sender_banned():
+    """A member whose metadata does not fit (a string where a sample count goes) crashes nobody: its
+    groupmates leave the group naming it, and after two such rounds never group with it again."""
+    with three_dhts() as dhts:
+        makers = [Matchmaker(fast_cfg(), dht, "fp") for dht in dhts]
+        evil = str(makers[2]._averager.peer_id)
+        try:
+            for round in (6, 7):
+                with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                    futures = [pool.submit(m.form_group, round, {"samples": "lots" if i == 2 else i}, 10.0)
+                               for i, m in enumerate(makers)]
+                    results = [f.exception() or f.result() for f in futures]
+                for honest in results[:2]:
+                    assert isinstance(honest, NoGroup) and f"malformed matchmaking metadata from {evil}" in honest.reason
+            assert all(evil in m.access.banned for m in makers[:2])
+            groups = form_groups(makers, round=8)
+            assert all(isinstance(g, NoGroup) or evil not in map(str, g.members) for g in groups[:2]), groups
+        finally:
+            for m in makers:
+                m.close()

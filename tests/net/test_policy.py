@@ -77,3 +77,34 @@ def test_the_swarm_round_and_its_hash_come_from_live_records_and_commits():
     tally = votes([progress("p", 4, B), progress("q", 4, C, age=60)], {"q": commit(4, C), "r": commit(4, C)},
                   NOW, WINDOW)
     assert winner(tally[4]) == C  # one vote per peer: p live (B); q and r by their commits (C, C)
+
+
+FORGED = 2**40
+# (situation, progress records of others, commit records, the swarm round we see, verdict)
+CLAIMS = [
+    ("a forger claims a far-future round among live peers", [progress("p", 3), progress("q", 3),
+                                                             progress("evil", FORGED, C)], {}, 3, Verdict.AVERAGE),
+    ("a forged far-future commit at the run's start", [progress("p", 3)], {"evil": commit(FORGED, C)}, 3,
+     Verdict.AVERAGE),
+    ("a forged commit among peers that left", [], {"x": commit(6), "y": commit(6), "evil": commit(FORGED, C)}, 6,
+     Verdict.BEHIND),
+    ("live peers one round ahead are believed", [progress("p", 4, B), progress("q", 4, B)], {}, 4, Verdict.BEHIND),
+    ("live peers far ahead (we restarted late) are believed", [progress("p", 9, B), progress("q", 9, B)], {}, 9,
+     Verdict.BEHIND),
+    ("peers that left long ago do not hold back the live swarm", [progress("p", 5, B), progress("q", 5, B)],
+     {f"old{i}": commit(1) for i in range(6)}, 5, Verdict.BEHIND),
+]
+
+
+@pytest.mark.parametrize("situation,others,commits,swarm_round,verdict", CLAIMS, ids=[row[0] for row in CLAIMS])
+def test_implausible_round_claims_are_ignored(situation, others, commits, swarm_round, verdict):
+    position = assess(ME, 3, A, [progress(ME, 3), *others], commits, NOW, WINDOW)
+    assert (position.swarm_round, position.verdict) == (swarm_round, verdict), position.note
+    assert "evil" not in position.donors
+
+
+def test_one_peer_claiming_readiness_does_not_cut_the_round_short():
+    me, mates = progress(ME, 3), [progress("p", 3), progress("q", 3)]
+    assert not assess(ME, 3, A, [me, *mates, progress("evil", 3, ready=True)], {}, NOW, WINDOW).others_ready
+    ready = [progress("p", 3, ready=True), progress("q", 3)]
+    assert assess(ME, 3, A, [me, *ready, progress("evil", 3, ready=True)], {}, NOW, WINDOW).others_ready

@@ -16,6 +16,7 @@ from swarm.diloco import DiLoCo, PseudoGradient
 from swarm.errors import SwarmError
 from swarm.net import schema, statesync
 from swarm.net.dht import start_dht
+from swarm.net.identity import load_identity
 from swarm.net.peer import SwarmAverager
 from swarm.net.wire import Kind
 from swarm.state import destinations, shared_tensors
@@ -69,8 +70,9 @@ def pair(bootstrap):
     dhts, averagers = [], []
     try:
         for name in ("donor", "newcomer"):
-            dhts.append(start_dht(cfg, fingerprint="fp"))
-            averagers.append(SwarmAverager(cfg, dhts[-1], "fp", name))
+            identity = load_identity(None)
+            dhts.append(start_dht(cfg, identity, fingerprint="fp"))
+            averagers.append(SwarmAverager(cfg, dhts[-1], identity, "fp", name))
         yield Peer(averagers[0], seed=0), Peer(averagers[1], seed=1)
     finally:
         for averager in averagers:
@@ -186,11 +188,16 @@ def test_a_finished_peer_serves_its_state_until_peers_behind_caught_up(pair):
     assert time.monotonic() - start < 3.0  # far below linger_time (60 s)
 
     # A peer killed at round 1: its record has not expired, but it stopped changing (no heartbeat).
-    now, ghost = get_dht_time(), "12D3KooWGhostGhostGhostGhostGhostGhostGhostGhost1234"
-    record = schema.ProgressRecord(peer_id=ghost, name="ghost", round=1, inner_step=0, samples=0, samples_per_s=0.0,
-                                   time=now - 60, serves_state=True, ready=False)
-    assert newcomer.averager.dht.store(schema.progress_key(donor.averager.cfg.run_id), record.dict(), subkey=ghost,
-                                       expiration_time=now + 30)
+    ghost = load_identity(None)
+    ghost_dht = start_dht(donor.averager.cfg, ghost)
+    try:
+        now = get_dht_time()
+        record = schema.ProgressRecord(peer_id=str(ghost.peer_id), name="ghost", round=1, inner_step=0, samples=0,
+                                       samples_per_s=0.0, time=now - 60, serves_state=True, ready=False)
+        assert ghost_dht.store(schema.progress_key(donor.averager.cfg.run_id), record.dict(), subkey=ghost.owner,
+                               expiration_time=now + 30)
+    finally:
+        ghost_dht.shutdown()
     assert "ghost" in [r.name for r in donor.averager.peers()]
     start = time.monotonic()
     donor.averager.finish(3)

@@ -1,0 +1,112 @@
+"""Signed records and private swarms: nobody writes in another peer's name, strangers are refused."""
+
+import time
+
+import pytest
+from conftest import fast_cfg
+from hivemind.utils.timed_storage import get_dht_time
+
+from swarm.errors import SwarmError, UsageError
+from swarm.net import schema
+from swarm.net.dht import run_fingerprint, start_dht
+from swarm.net.identity import load_identity, owner_peer_id
+
+
+def _progress(peer_id: str, name: str, round: int = 3) -> dict:
+    return schema.ProgressRecord(peer_id=peer_id, name=name, round=round, inner_step=0, samples=0,
+                                 samples_per_s=0.0, time=get_dht_time(), serves_state=True, ready=True).dict()
+
+
+def _read(dht, run_id="swarm-tiny"):
+    return schema.read_owned(dht.get(schema.progress_key(run_id), latest=True), schema.ProgressRecord, get_dht_time())
+
+
+@pytest.mark.timeout(90)
+def test_records_are_signed_by_their_owner_and_nobody_writes_for_another(bootstrap):
+    honest, forger = load_identity(None), load_identity(None)
+    honest_dht = start_dht(fast_cfg(initial_peers=bootstrap), honest)
+    forger_dht = start_dht(fast_cfg(initial_peers=bootstrap), forger)
+    try:
+        key, expiration = schema.progress_key("swarm-tiny"), get_dht_time() + 30
+        assert honest_dht.store(key, _progress(str(honest.peer_id), "honest"), subkey=honest.owner,
+                                expiration_time=expiration)
+        # The forger cannot sign under the honest peer's key: every node refuses the record.
+        assert not forger_dht.store(key, _progress(str(honest.peer_id), "forged"), subkey=honest.owner,
+                                    expiration_time=expiration + 1)
+        # Nor write without an owner at all (the schema wants an owner marker subkey).
+        assert not forger_dht.store(key, _progress(str(honest.peer_id), "forged"), subkey=str(honest.peer_id),
+                                    expiration_time=expiration + 1)
+        # Under its own key it may store a record naming the honest peer, but nobody believes it.
+        assert forger_dht.store(key, _progress(str(honest.peer_id), "forged"), subkey=forger.owner,
+                                expiration_time=expiration)
+        records = _read(honest_dht)
+        assert {p: r.name for p, r in records.items()} == {str(honest.peer_id): "honest"}
+    finally:
+        forger_dht.shutdown()
+        honest_dht.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_a_private_swarm_refuses_a_strangers_dht_writes(bootstrap, tmp_path):
+    members = [load_identity(str(tmp_path / f"m{i}.key")) for i in range(2)]
+    allowed = [str(m.peer_id) for m in members]
+    cfg = fast_cfg(initial_peers=bootstrap, run_id="private", auth="allowlist", allowed_peers=allowed)
+    stranger = load_identity(None)
+    with pytest.raises(UsageError, match="not in the allowlist"):
+        start_dht(cfg, stranger)
+    dhts = [start_dht(cfg, m) for m in members]
+    # The stranger joins the DHT as an open peer (it cannot be kept out of Kademlia) and writes the run's keys.
+    stranger_dht = start_dht(fast_cfg(initial_peers=bootstrap, run_id="private"), stranger)
+    try:
+        key, expiration = schema.progress_key("private"), get_dht_time() + 30
+        assert dhts[0].store(key, _progress(allowed[0], "m0"), subkey=members[0].owner, expiration_time=expiration)
+        stranger_dht.store(key, _progress(str(stranger.peer_id), "stranger"), subkey=stranger.owner,
+                           expiration_time=expiration)
+        time.sleep(0.5)
+        assert {r.name for r in _read(dhts[1], "private").values()} == {"m0"}
+    finally:
+        stranger_dht.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
+def test_the_run_fingerprint_is_what_most_peers_signed():
+    record = lambda fp, t: schema.RunRecord(fingerprint=fp, time=t)  # noqa: E731
+    assert run_fingerprint({}) is None
+    assert run_fingerprint({"a": record("x", 5.0), "b": record("x", 6.0), "evil": record("y", 1.0)}) == "x"
+    assert run_fingerprint({"a": record("x", 5.0), "b": record("y", 6.0)}) == "x"  # a tie: signed first
+
+
+@pytest.mark.timeout(90)
+def test_a_stranger_cannot_replace_the_run_fingerprint(bootstrap):
+    first = start_dht(fast_cfg(initial_peers=bootstrap), fingerprint="aaaa")
+    second = start_dht(fast_cfg(initial_peers=bootstrap), fingerprint="aaaa")
+    try:
+        evil = load_identity(None)
+        evil_dht = start_dht(fast_cfg(initial_peers=bootstrap), evil)
+        now = get_dht_time()
+        evil_dht.store(schema.run_key("swarm-tiny"), schema.RunRecord(fingerprint="bbbb", time=now - 1e6).dict(),
+                       subkey=evil.owner, expiration_time=now + 1e6)
+        evil_dht.shutdown()
+        start_dht(fast_cfg(initial_peers=bootstrap), fingerprint="aaaa").shutdown()  # still joins
+        with pytest.raises(SwarmError, match="fingerprint aaaa != bbbb"):
+            start_dht(fast_cfg(initial_peers=bootstrap), fingerprint="bbbb")
+    finally:
+        second.shutdown()
+        first.shutdown()
+
+
+def test_identity_files_bad_input(tmp_path):
+    (tmp_path / "garbage").write_bytes(b"\x00\xffnot a key")
+    with pytest.raises(UsageError, match="not a libp2p private key file"):
+        load_identity(str(tmp_path / "garbage"))
+    with pytest.raises(UsageError, match="cannot create the key file"):
+        load_identity(str(tmp_path / "no-such-dir" / "id.key"))
+    from hivemind.proto import crypto_pb2
+    (tmp_path / "ed25519").write_bytes(crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.Ed25519,
+                                                             data=b"\x01" * 64).SerializeToString())
+    with pytest.raises(UsageError, match="holds a Ed25519 key"):
+        load_identity(str(tmp_path / "ed25519"))
+    me = load_identity(str(tmp_path / "me.key"))
+    assert owner_peer_id(me.owner) == str(me.peer_id) == str(load_identity(str(tmp_path / "me.key")).peer_id)
+    assert owner_peer_id(b"[owner:ssh-rsa garbage]") is None and owner_peer_id("text") is None
