@@ -23,12 +23,13 @@ from pathlib import Path
 
 from bench.common import results_dir, stamp
 
-MODULES = ["convergence", "traffic", "utilization", "overhead", "allreduce", "scale", "compression"]
+MODULES = ["convergence", "traffic", "utilization", "overhead", "allreduce", "scale", "compression", "hostile"]
 TITLES = {"convergence": "1. Convergence (DiLoCo Table 2 shape)", "traffic": "2. Traffic per round",
           "utilization": "3. Compute utilization of a real swarm",
           "overhead": "4. Overhead: swarm peer --solo vs plain PyTorch",
           "allreduce": "5. All-reduce time", "scale": "6. The round at real model sizes (85M parameters)",
-          "compression": "Compression codecs (bench/compression.py)"}
+          "compression": "Compression codecs (bench/compression.py)",
+          "hostile": "7. Hostile peers: one attacker in a local swarm of 4"}
 
 
 def call(name: str, quick: bool) -> dict:

@@ -21,6 +21,7 @@ from typing import IO, Optional
 
 from swarm.config import Config
 from swarm.errors import SwarmError, UsageError
+from swarm.net.hostile import ATTACKS
 from swarm.report import format_table, write_summary
 
 BOOTSTRAP_TIMEOUT_S = 60.0  # the bootstrap prints its multiaddrs within seconds; past this it is broken
@@ -112,10 +113,26 @@ class Kill:
         return cls(int(match[1]), int(match[2]), match[3] or "inner")
 
 
+def parse_hostile(texts: list[str], n_peers: int) -> dict[int, list[str]]:
+    """`--hostile KIND@PEER` (repeatable) -> {peer: [kinds]}; UsageError naming what does not parse."""
+    plan: dict[int, list[str]] = {}
+    for text in texts:
+        match = re.fullmatch(r"([a-z-]+)@(\d+)", text)
+        if match is None:
+            raise UsageError(f"cannot read --hostile {text!r}: expected KIND@PEER, e.g. forge-progress@3")
+        if match[1] not in ATTACKS:
+            raise UsageError(f"--hostile {text}: unknown attack {match[1]!r} (known: {', '.join(ATTACKS)})")
+        if not 0 <= int(match[2]) < n_peers:
+            raise UsageError(f"--hostile {text}: no peer {match[2]} in this swarm of {n_peers}")
+        plan.setdefault(int(match[2]), []).append(match[1])
+    return plan
+
+
 def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int, out_dir: Path,
-              kills: list[str] = (), joins: list[int] = (), nproc: int = 1) -> Path:
+              kills: list[str] = (), joins: list[int] = (), nproc: int = 1, hostile: list[str] = ()) -> Path:
     if n_peers < 1:
         raise UsageError(f"--peers must be >= 1, got {n_peers}")
+    attackers = parse_hostile(list(hostile), n_peers)
     kill_plan = {k.peer: k for k in map(Kill.parse, kills)}
     for k in kill_plan.values():
         if not (0 <= k.peer < n_peers and 1 <= k.round <= cfg.diloco.rounds):
@@ -157,7 +174,10 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int,
 
         for i in range(n_peers):
             k = kill_plan.get(i)
-            start_peer(i, *(["--faults.kill_round", str(k.round), "--faults.kill_phase", k.phase] if k else []))
+            start_peer(i, *(["--faults.kill_round", str(k.round), "--faults.kill_phase", k.phase] if k else []),
+                       *(["--faults.hostile", *attackers[i]] if i in attackers else []))
+            if i in attackers:
+                event("hostile", peer=f"peer-{i}", attacks=attackers[i])
         # Joiners start now, held until the swarm has committed the round before theirs: a process start-up
         # takes seconds (more on a loaded machine) and must not race the rounds it is meant to join.
         for round_ in pending_joins:
@@ -198,7 +218,9 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int,
             event("join_skipped", peer=name, round=round_, reason="the swarm finished before that round")
         stop_children([p for p in peers if p.name in held])  # they never took part
         killed = {e["peer"] for e in events if e["event"] == "kill"}
-        failed = [p for p in peers if p.proc.returncode != 0 and p.name not in killed and p.name not in held]
+        hostile_names = {f"peer-{i}" for i in attackers}
+        failed = [p for p in peers if p.proc.returncode != 0 and p.name not in killed | hostile_names
+                  and p.name not in held]
         for p in failed:
             tail = (p.out_dir / "log.txt").read_text().strip().splitlines()[-1:]
             print(f"{p.name} exited with status {p.proc.returncode}: {tail[0] if tail else ''}", flush=True)
@@ -209,6 +231,8 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int,
     for p in (p for p in peers if p.name not in held):
         summary = _read_json(p.out_dir / "peer.json")
         if summary is not None:
+            if int(p.name.split("-")[1]) in attackers:
+                summary["hostile"] = attackers[int(p.name.split("-")[1])]
             summaries.append(summary)
             events += [{**e, "peer": p.name} for e in summary.get("events", [])]
     if not summaries:
@@ -217,9 +241,10 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int,
     path = write_summary(out_dir, cfg.swarm.run_id, f"local x{n_peers}", cfg.to_dict(), time.time() - start,
                          summaries, events, fault_report(events, summaries))
     print(format_table(summaries))
-    hashes = {s["final_global_sha256"] for s in summaries}
-    print(f"final global parameters: {'identical on every peer' if len(hashes) == 1 else 'DIFFER'} "
-          f"({len(summaries)} peers, wall {time.time() - start:.0f}s)")
+    honest = [s for s in summaries if "hostile" not in s]
+    hashes = {s["final_global_sha256"] for s in honest}
+    print(f"final global parameters: {'identical on every' if len(hashes) == 1 else 'DIFFER across'} "
+          f"{'honest ' if attackers else ''}peer ({len(honest)} peers, wall {time.time() - start:.0f}s)")
     if failed:
         raise SwarmError(f"{len(failed)} of {len(peers)} peers failed ({', '.join(p.name for p in failed)}); "
                          f"summary in {path}")

@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     local.add_argument("--join", action="append", default=[], type=int, metavar="ROUND",
                        help="start an extra peer when the swarm reaches round ROUND; repeatable")
     local.add_argument("--nproc-per-node", type=int, default=1, metavar="K", help="processes per peer (DDP)")
+    local.add_argument("--hostile", action="append", default=[], metavar="KIND@PEER",
+                       help="peer PEER attacks the swarm (forge-progress, nan, huge, weight, bad-part, garbage-meta, "
+                            "poison-state, flood); repeatable")
 
     boot = sub.add_parser("bootstrap", help="a DHT-only peer that others use as --initial-peers")
     boot.add_argument("--identity", default=None, help="key file for a stable peer id (created if missing)")
@@ -118,7 +121,7 @@ def run(argv: list[str]) -> int:
         from peers.local_swarm import run_local
 
         path = run_local(cfg, args.config, overrides, args.peers, _out_dir(args.out, cfg, f"local{args.peers}"),
-                         args.kill, args.join, args.nproc_per_node)
+                         args.kill, args.join, args.nproc_per_node, args.hostile)
     if Ranks.from_env().endpoint:
         print(f"wrote {path} and {path.parent / 'loss.png'}")
     return 0

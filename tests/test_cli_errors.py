@@ -49,6 +49,21 @@ def test_bad_kill_spec_exits_2():
     assert "--kill" in one_line_error(result)
 
 
+@pytest.mark.parametrize("spec,culprit", [("nan", "--hostile 'nan'"), ("sneaky@1", "unknown attack 'sneaky'"),
+                                          ("nan@7", "no peer 7")])
+def test_bad_hostile_spec_exits_2(spec, culprit):
+    result = run_cli("local", "--config", "configs/tiny.yaml", "--peers", "4", "--hostile", spec)
+    assert result.returncode == 2
+    assert culprit in one_line_error(result)
+
+
+def test_an_unreadable_identity_file_exits_2(tmp_path):
+    (tmp_path / "id.key").write_bytes(b"not a key")
+    result = run_cli(*PEER, "--swarm.identity", str(tmp_path / "id.key"))
+    assert result.returncode == 2
+    assert "swarm.identity" in one_line_error(result) and "id.key" in one_line_error(result)
+
+
 def test_a_join_after_the_last_round_exits_2():
     result = run_cli("local", "--config", "configs/tiny.yaml", "--rounds", "3", "--join", "4")
     assert result.returncode == 2
