@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import random
@@ -36,7 +37,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
-from swarm.averaging import Averager, Download, Intake, RoundOutcome, Snapshot
+from swarm.averaging import Averager, Download, Intake, PeerStats, RoundOutcome, Snapshot
 from swarm.config import FaultsConfig, SwarmConfig, live_window
 from swarm.diloco import PseudoGradient
 from swarm.errors import SwarmError
@@ -77,6 +78,7 @@ class SwarmAverager(Averager):
         self.peer_id = str(dht.peer_id)
         self._codec = get_codec(cfg.compression)
         self._last_progress: Optional[tuple] = None  # publish_progress arguments, re-sent by the heartbeat
+        self._stats = PeerStats()  # the last ones the trainer gave, in every record until it gives others
         self._ready_seen: tuple[int, float, bool] = (-1, 0.0, False)  # others_ready: (round, when asked, answer)
         self._averaged_once = False  # until a first group, peers starting with us may not have a record yet
         self._dht_lock = threading.Lock()  # the trainer's thread and the heartbeat share the DHT's pipe
@@ -206,7 +208,8 @@ class SwarmAverager(Averager):
     # ---- progress and position ------------------------------------------------------------------------
 
     def publish_progress(self, round: int, inner_step: int, samples: int, samples_per_s: float,
-                         ready: bool = False, sha256: str = "") -> None:
+                         ready: bool = False, sha256: str = "", stats: Optional[PeerStats] = None) -> None:
+        self._stats = stats or self._stats
         self._last_progress = (round, inner_step, samples, samples_per_s, ready, sha256)
         self._store_progress(warn=True)
 
@@ -217,7 +220,7 @@ class SwarmAverager(Averager):
             record = schema.ProgressRecord(
                 peer_id=self.peer_id, name=self.peer_name, round=round, inner_step=inner_step, samples=samples,
                 samples_per_s=float(samples_per_s), time=float(now), serves_state=self._server.snapshot is not None,
-                ready=ready, sha256=sha256)
+                ready=ready, sha256=sha256, **schema.watched(**dataclasses.asdict(self._stats)))
             future = self.dht.store(schema.progress_key(self.cfg.run_id), record.dict(), subkey=self.peer_id,
                                     expiration_time=now + self.cfg.progress_expiration, return_future=True)
         try:
