@@ -3,6 +3,7 @@ the page, and served over loopback HTTP."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import threading
@@ -16,6 +17,7 @@ import pytest
 from hivemind.utils.timed_storage import ValueWithExpiration
 from prometheus_client.parser import text_string_to_metric_families
 
+from swarm.averaging import PeerStats, RoundOutcome, SoloAverager
 from swarm.monitor import collect
 from swarm.monitor.collect import Reading, SwarmView, read_swarm
 from swarm.monitor.page import PAGE
@@ -23,6 +25,7 @@ from swarm.monitor.render import snapshot, to_json, to_metrics
 from swarm.monitor.server import _handler
 from swarm.net import schema
 from swarm.net.schema import CommitRecord, ProgressRecord
+from swarm.trainer import Trainer
 
 WINDOW = 10.0
 T0 = 1000.0
@@ -211,3 +214,33 @@ def test_http_routes():
     finally:
         server.shutdown()
         server.server_close()
+
+
+class Watched(SoloAverager):
+    """Solo averaging that keeps what the trainer publishes, with pretend all-reduce bytes."""
+
+    def __init__(self):
+        self.published: list[tuple[int, PeerStats]] = []
+
+    def average(self, *args, **kwargs) -> RoundOutcome:
+        return dataclasses.replace(super().average(*args, **kwargs), bytes_sent=100, bytes_received=70)
+
+    def publish_progress(self, round, inner_step, samples, samples_per_s, ready=False, sha256="", stats=None):
+        if stats is not None:
+            self.published.append((round, stats, samples_per_s))
+
+
+def test_the_trainer_publishes_plain_numbers_for_watchers(tmp_path, tiny):
+    averager = Watched()
+    trainer = Trainer(tiny, averager, "w", shard=0, out_dir=tmp_path)
+    history = trainer.train()
+    rounds = len(history.rounds)
+    assert rounds == tiny.diloco.rounds == 3
+    first, (last_round, last, _) = averager.published[0], averager.published[-1]
+    assert first[1].eval_round == 0 and first[1].eval_loss == history.initial_eval_loss  # the eval before training
+    assert first[1].bytes_sent == 0 and first[1].tokens_per_s == first[2] * tiny.data.seq_len
+    assert math.isfinite(first[1].loss)
+    # after the last round: its eval, the byte totals, its mean train loss
+    assert (last_round, last.eval_round, last.eval_loss) == (3, 3, history.rounds[-1].eval_loss)
+    assert (last.bytes_sent, last.bytes_received) == (100 * rounds, 70 * rounds)
+    assert last.loss == history.rounds[-1].train_loss
