@@ -78,7 +78,7 @@ def test_monitor_bad_port_exits_2():
     result = run_cli("monitor", "--initial-peers", f"/ip4/127.0.0.1/tcp/1/p2p/{SOME_ID}", "--run", "r",
                      "--port", "70000")
     assert result.returncode == 2
-    assert "--port 70000" in one_line_error(result)
+    assert "port 70000" in one_line_error(result)
 
 
 def test_local_monitor_port_in_use_exits_1_naming_the_port():

@@ -99,7 +99,7 @@ class Monitor:
         cfg = dataclasses.replace(cfg, client_mode=True)
         check_addresses(cfg)
         if not 0 <= port <= 65535:
-            raise UsageError(f"--port {port}: not a TCP port (0-65535)")
+            raise UsageError(f"monitor port {port}: not a TCP port (0-65535)")
         server = _bind(host, port)
         try:
             dht = start_dht(cfg)
@@ -141,11 +141,11 @@ def _bind(host: str, port: int) -> ThreadingHTTPServer:
     try:
         server = ThreadingHTTPServer((host, port), BaseHTTPRequestHandler)
     except socket.gaierror as e:
-        raise UsageError(f"--host {host!r}: {e.strerror}") from None
+        raise UsageError(f"monitor host {host!r}: {e.strerror}") from None
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
-            raise PortInUse(f"cannot listen on port {port}: address already in use (--port)") from None
-        raise SwarmError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+            raise PortInUse(f"the monitor cannot listen on port {port}: address already in use") from None
+        raise SwarmError(f"the monitor cannot listen on {host}:{port}: {e.strerror or e}") from None
     server.daemon_threads = True  # a client still connected never holds up close()
     return server
 
