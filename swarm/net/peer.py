@@ -10,8 +10,8 @@ calls in with bounded waits:
   trainer's buffers. A failed attempt is retried with whoever is still alive until the round's deadline
   (`budget.round_deadline`, from the vector's bytes), after which the round is discarded (averaged=None),
   never half-averaged. A peer that meets nobody and that the records show alone applies its own step.
-- `publish_progress()`: a `ProgressRecord` under `{run_id}_progress`; a heartbeat thread re-stores it every
-  `cfg.progress_interval`, so a record that stopped changing is a dead peer's (policy.py).
+- `publish_progress()`: a `ProgressRecord` under `{run_id}_progress` (with the trainer's last `PeerStats`, for
+  watchers); a heartbeat re-stores it every `cfg.progress_interval`: a record that stopped changing is a dead peer's.
 - `offer_state()`: serve this snapshot to newcomers and record the commit (`{run_id}_commits`).
 - `fetch_state()`: take the swarm's state from the donors the policy names, verified against the hash the
   swarm committed; SwarmError if the swarm is ahead and no donor can give it within the live window plus
