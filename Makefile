@@ -7,7 +7,7 @@ STAMP := $(VENV)/.install-stamp
 # pin takes PyPI's CUDA build. Override with `make install TORCH_SPEC=...`.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install swarm test lint bench bench-quick clean
+.PHONY: install install-system swarm test lint bench bench-quick clean
 
 install: $(STAMP)
 
@@ -21,7 +21,13 @@ $(STAMP): pyproject.toml
 swarm: install
 	$(BIN)/swarm local --config configs/tiny.yaml --peers 4
 
-test: install
+# The headless-browser test of `swarm monitor` (tests/test_monitor_browser.py) needs Debian's chromium: installed
+# here only when it is missing (as root, or through sudo).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+install-system:
+	@command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium; }
+
+test: install install-system
 	$(BIN)/python -m pytest -q
 
 lint: install

@@ -42,12 +42,16 @@ def outcome(run: dict) -> dict:
     honest = [p for p in summary["peers"] if "hostile" not in p]
     attacker_ids = {p["peer_id"] for p in summary["peers"] if "hostile" in p}
     committed = [[r for r in p["rounds"] if r["committed"]] for p in honest]
-    samples = [r["samples"] for rounds in committed for r in rounds]
+    seq_len = summary["config"]["data"]["seq_len"] if run["summary"] else 1
+    rounds = min((len(c) for c in committed), default=0)
+    # the honest peers' own samples that entered a committed round (inner steps x batch), per round
+    samples = [sum(round(r["tokens_per_s"] * r["compute_s"] / seq_len) for c in committed for r in c) / rounds] \
+        if rounds else []
     losses = [p["eval_loss"][-1] for p in honest if p["eval_loss"] and p["eval_loss"][-1] is not None]
     caught = sorted({f"{e['event']}: {e.get('what', '')}" for e in summary["events"]
                      if e.get("peer_id") in attacker_ids and e["event"] in ("offense", "banned", "ignored_claim")})
     return {"rc": run["rc"], "wall_s": run["wall_s"], "honest": len(honest),
-            "rounds": min((len(c) for c in committed), default=0),
+            "rounds": rounds,
             "one_hash": len({p["final_global_sha256"] for p in honest}) == 1 and bool(honest),
             "samples_per_round": statistics.mean(samples) if samples else 0.0,
             "eval_loss": statistics.mean(losses) if losses else None, "caught": caught}
@@ -72,8 +76,8 @@ def run(quick: bool = False) -> dict:
     table = md_table(["attack (peer 3 of 4)", "honest rounds committed", "one hash", "samples / round",
                       "eval loss", "vs unattacked", "what caught it (honest peers' events)"], rows)
     note = (f"\n\n`swarm local --config configs/tiny.yaml --peers {PEERS} {' '.join(RUN)} --hostile KIND@{ATTACKER}`; "
-            f"samples / round: mean over the honest peers' committed rounds of the samples their group averaged "
-            f"(the attacker's included when it took part); eval loss: mean of the honest peers' last eval.")
+            f"samples / round: the honest peers' own samples (inner steps x batch) that entered committed rounds, "
+            f"per round (the attacker's never count); eval loss: mean of the honest peers' last eval.")
     return {"stamp": stamp(), "quick": quick, "results": results, "table": table + note}
 
 

@@ -3,11 +3,14 @@
 Each child runs in its own process group (so a Ctrl-C reaches only this launcher, which then stops
 every child: SIGTERM, a grace period, then SIGKILL to the whole group, hivemind's DHT process and p2pd
 daemon included). Peers write `peer-i/status.json`, which this launcher renders as one live line per
-peer, and `peer-i/peer.json`, which it merges into `summary.json` and `loss.png`.
+peer, and `peer-i/peer.json`, which it merges into `summary.json` and `loss.png`. A monitor
+(swarm/monitor/, a DHT client) runs in this launcher's process, shows its kills and joins among the
+events, and stops with the swarm.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -128,8 +131,23 @@ def parse_hostile(texts: list[str], n_peers: int) -> dict[int, list[str]]:
     return plan
 
 
+def start_monitor(cfg: Config, maddr: str, port: Optional[int]):
+    """The swarm's monitor on 127.0.0.1: on `port`, or on 8470 (any free port if that one is taken)."""
+    from swarm.monitor.server import DEFAULT_PORT, Monitor, PortInUse
+
+    swarm_cfg = dataclasses.replace(cfg.swarm, initial_peers=[maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                    announce_maddrs=[], identity=None)
+    try:
+        return Monitor.start(swarm_cfg, "127.0.0.1", DEFAULT_PORT if port is None else port)
+    except PortInUse:
+        if port is not None:
+            raise
+        return Monitor.start(swarm_cfg, "127.0.0.1", 0)
+
+
 def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int, out_dir: Path,
-              kills: list[str] = (), joins: list[int] = (), nproc: int = 1, hostile: list[str] = ()) -> Path:
+              kills: list[str] = (), joins: list[int] = (), nproc: int = 1, hostile: list[str] = (),
+              monitor: bool = True, monitor_port: Optional[int] = None) -> Path:
     if n_peers < 1:
         raise UsageError(f"--peers must be >= 1, got {n_peers}")
     attackers = parse_hostile(list(hostile), n_peers)
@@ -147,10 +165,14 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int,
     peers: list[Child] = []
     events: list[dict] = []
     held: dict[str, tuple[Path, int]] = {}  # joiners not let in yet: their hold file, the round they join at
+    watch = None  # the monitor
 
     def event(kind: str, **fields) -> None:
         events.append({"event": kind, "time": time.time(), **fields})
         print(f"[{time.time() - start:5.0f}s] {kind}: {fields}", flush=True)
+        if watch is not None:
+            watch.view.add_event(time.time(), kind, fields.get("peer", ""),
+                                 ", ".join(f"{k} {v}" for k, v in fields.items() if k != "peer"))
 
     try:
         boot_log = out_dir / "bootstrap.log"
@@ -158,6 +180,9 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int,
         children.append(boot)
         maddr = bootstrap_maddr(boot, boot_log)
         print(f"bootstrap at {maddr}", flush=True)
+        if monitor:
+            watch = start_monitor(cfg, maddr, monitor_port)
+            print(f"monitor at {watch.url} (JSON: {watch.url}api/swarm, Prometheus: {watch.url}metrics)", flush=True)
         # Each peer gets its own shard; the group covers the whole swarm (joiners included), so a round
         # forms as soon as every live peer is ready instead of waiting out the matchmaking time.
         common = ["peer", "--config", config_path, *overrides, "--initial-peers", maddr,
@@ -224,8 +249,12 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int,
         for p in failed:
             tail = (p.out_dir / "log.txt").read_text().strip().splitlines()[-1:]
             print(f"{p.name} exited with status {p.proc.returncode}: {tail[0] if tail else ''}", flush=True)
+        if watch is not None and watch.error is not None:
+            print(f"the monitor stopped reading the DHT: {watch.error}", flush=True)
     finally:
         stop_children(children)
+        if watch is not None:
+            watch.close()
 
     summaries = []
     for p in (p for p in peers if p.name not in held):

@@ -42,6 +42,19 @@ class RoundOutcome:
     residual: Optional[list[torch.Tensor]] = None
 
 
+@dataclass(frozen=True)
+class PeerStats:
+    """What a peer shows to watchers of the swarm (`swarm monitor`): plain numbers, None where not known yet.
+    Nothing in the swarm decides on them."""
+
+    loss: Optional[float] = None  # training loss of the last inner step
+    tokens_per_s: Optional[float] = None  # over this round's inner steps so far
+    bytes_sent: int = 0  # all-reduce payload since this peer started
+    bytes_received: int = 0
+    eval_loss: Optional[float] = None  # held-out loss of the global parameters at `eval_round`
+    eval_round: Optional[int] = None
+
+
 @dataclass
 class Download:
     """A state this peer took from a donor."""
@@ -90,8 +103,9 @@ class Averager(ABC):
         """
 
     def publish_progress(self, round: int, inner_step: int, samples: int, samples_per_s: float,
-                         ready: bool = False, sha256: str = "") -> None:
-        """Tell the swarm how far this peer is; `ready`: its inner steps are done (no-op without a network)."""
+                         ready: bool = False, sha256: str = "", stats: Optional[PeerStats] = None) -> None:
+        """Tell the swarm how far this peer is; `ready`: its inner steps are done (no-op without a network).
+        `stats`: what watchers see; None keeps the last ones given."""
 
     def others_ready(self, round: int) -> bool:
         """True when another live peer has finished its inner steps of `round` and waits to average.

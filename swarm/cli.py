@@ -1,4 +1,4 @@
-"""The `swarm` command: `peer`, `sim`, `local`, `bootstrap`.
+"""The `swarm` command: `peer`, `sim`, `local`, `bootstrap`, `monitor`.
 
 Config overrides follow the named flags as dotted keys: `--inner.lr 3e-4` or `inner.lr=3e-4`.
 Every failure ends with one line on stderr (`swarm: error: ...`) and a non-zero exit: 2 for bad input
@@ -53,12 +53,23 @@ def _parser() -> argparse.ArgumentParser:
     local.add_argument("--hostile", action="append", default=[], metavar="KIND@PEER",
                        help="peer PEER attacks the swarm (forge-progress, nan, huge, weight, bad-part, garbage-meta, "
                             "poison-state, flood); repeatable")
+    local.add_argument("--monitor-port", type=int, default=None, metavar="PORT",
+                       help="port of the swarm's monitor page (default 8470, or any free port if it is taken)")
+    local.add_argument("--no-monitor", action="store_true", help="start no monitor")
 
     boot = sub.add_parser("bootstrap", help="a DHT-only peer that others use as --initial-peers")
     boot.add_argument("--identity", default=None, help="key file for a stable peer id (created if missing)")
     boot.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"])
     boot.add_argument("--announce-maddrs", nargs="+", default=[])
     boot.add_argument("--initial-peers", nargs="+", default=[])
+
+    mon = sub.add_parser("monitor", help="serve a run's live state: web page, JSON and Prometheus metrics")
+    mon.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR",
+                     help="multiaddrs of peers in the swarm")
+    mon.add_argument("--run", required=True, help="the run's id (swarm.run_id)")
+    mon.add_argument("--port", type=int, default=8470, help="HTTP port (default 8470)")
+    mon.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on (default 127.0.0.1)")
+    mon.add_argument("--config", default=None, help="the run's YAML config, for its swarm timings (optional)")
     return parser
 
 
@@ -86,6 +97,12 @@ def run(argv: list[str]) -> int:
         from peers.bootstrap import run_bootstrap
 
         return run_bootstrap(args.identity, args.host_maddrs, args.announce_maddrs, args.initial_peers)
+    if args.command == "monitor":
+        from swarm.monitor.server import run_monitor
+
+        cfg = load_config(args.config, [*rest, "--swarm.initial_peers", *args.initial_peers,
+                                        "--swarm.run_id", args.run])
+        return run_monitor(cfg.swarm, args.host, args.port)
 
     overrides = list(rest)
     if getattr(args, "initial_peers", None):
@@ -121,7 +138,8 @@ def run(argv: list[str]) -> int:
         from peers.local_swarm import run_local
 
         path = run_local(cfg, args.config, overrides, args.peers, _out_dir(args.out, cfg, f"local{args.peers}"),
-                         args.kill, args.join, args.nproc_per_node, args.hostile)
+                         args.kill, args.join, args.nproc_per_node, args.hostile,
+                         monitor=not args.no_monitor, monitor_port=args.monitor_port)
     if Ranks.from_env().endpoint:
         print(f"wrote {path} and {path.parent / 'loss.png'}")
     return 0

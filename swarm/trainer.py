@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from swarm import state as peer_state
-from swarm.averaging import Averager, Intake, RoundOutcome, Snapshot
+from swarm.averaging import Averager, Intake, PeerStats, RoundOutcome, Snapshot
 from swarm.checkpoint import Checkpointer, CorruptCheckpoint
 from swarm.config import Config
 from swarm.data import TrainBatches, load_corpus
@@ -61,6 +61,7 @@ class Trainer:
         # to its next pseudo-gradient. Per peer: in its checkpoint, never in the state served to newcomers.
         self.error_feedback: Optional[list[torch.Tensor]] = None
         self.history = PeerHistory(peer_id=peer_id)
+        self.last_eval: Optional[tuple[int, float]] = None  # (round, held-out loss), shown to watchers
         ckpt_dir = cfg.checkpoint.dir or out_dir / "checkpoint"
         self.checkpointer = Checkpointer(ckpt_dir) if cfg.checkpoint.every > 0 and ranks.endpoint else None
         log.info("peer %s: %d parameters, shard %d, %d rounds x %d inner steps",
@@ -197,6 +198,7 @@ class Trainer:
         self.catch_up()
         if self.history.initial_eval_loss is None:
             self.history.initial_eval_loss = evaluate(self.model, self.eval_batches, self.device, self.precision)
+            self.last_eval = (self.diloco.round, self.history.initial_eval_loss)
             log.info("round %d: eval loss %.4f (before training)", self.diloco.round, self.history.initial_eval_loss)
         tokens_per_step = self.cfg.data.batch_size * self.cfg.data.seq_len
 
@@ -223,7 +225,7 @@ class Trainer:
                         progress(self.diloco.round, i + 1, losses[-1])
                     if time.perf_counter() - last_report >= self.cfg.swarm.progress_interval:
                         last_report = time.perf_counter()
-                        self._publish_progress(inner_start, len(losses), ready=exchange is not None)
+                        self._publish_progress(inner_start, losses, ready=exchange is not None)
                     if exchange is not None and i + 1 == cfg.delay:  # the last round's outer step lands here
                         paused += self._settle(exchange)
                         exchange = None
@@ -244,7 +246,7 @@ class Trainer:
                     continue
 
                 # The outer step: average the pseudo-gradients, then commit or discard the round.
-                self._publish_progress(inner_start, len(losses), ready=True)
+                self._publish_progress(inner_start, losses, ready=True)
                 samples = self.samples_since_commit
                 dumping = self.cfg.logging.dump_tensors and self.ranks.endpoint
                 facts = dict(train_loss=sum(losses) / len(losses), compute_s=compute_s, start=start,
@@ -260,6 +262,9 @@ class Trainer:
                 outcome = self.averager.average(self.diloco.round, pseudo_grad, samples, self.diloco.outer_grads(),
                                                 self.diloco.global_sha256())
                 self._after_round(self._close_round(outcome, checkpoint, **facts), dump)
+            if self.history.rounds:  # the last round's eval, for watchers
+                self.averager.publish_progress(self.diloco.round, self.step, 0, 0.0, sha256=self.diloco.global_sha256(),
+                                               stats=self._stats(self.history.rounds[-1].train_loss, 0.0))
         finally:  # however training stops, a committed checkpoint is finished and a begun one dropped
             if self.checkpointer is not None:
                 self.checkpointer.close()
@@ -299,10 +304,16 @@ class Trainer:
             raise SwarmError(f"round {self.diloco.round + 1}: the local model is not finite and {e}") from e
         self.samples_since_commit = 0
 
-    def _publish_progress(self, start: float, steps: int, ready: bool = False) -> None:
-        samples_per_s = steps * self.cfg.data.batch_size / max(1e-9, time.perf_counter() - start)
+    def _publish_progress(self, start: float, losses: list[float], ready: bool = False) -> None:
+        samples_per_s = len(losses) * self.cfg.data.batch_size / max(1e-9, time.perf_counter() - start)
         self.averager.publish_progress(self.diloco.round, self.step, self.samples_since_commit, samples_per_s, ready,
-                                       self.diloco.global_sha256())
+                                       self.diloco.global_sha256(), self._stats(losses[-1], samples_per_s))
+
+    def _stats(self, loss: Optional[float], samples_per_s: float) -> PeerStats:
+        """What watchers see (`swarm monitor`): the last loss and speed, all-reduce bytes so far, the last eval."""
+        rounds, (eval_round, eval_loss) = self.history.rounds, self.last_eval or (None, None)
+        return PeerStats(loss, samples_per_s * self.cfg.data.seq_len, sum(r.bytes_sent for r in rounds),
+                         sum(r.bytes_received for r in rounds), eval_loss, eval_round)
 
     def _hold(self, round: int) -> None:
         """`faults.hold_round`: wait while `faults.hold_file` exists before working towards `round` (0: before
@@ -362,6 +373,7 @@ class Trainer:
         eval_loss, eval_start = None, time.perf_counter()
         if committed and self.diloco.round % self.cfg.diloco.eval_every == 0:
             eval_loss = evaluate(self.model, self.eval_batches, self.device, self.precision)
+            self.last_eval = (self.diloco.round, eval_loss)
         eval_s = time.perf_counter() - eval_start
         record = RoundRecord(
             round=self.diloco.round, committed=committed, train_loss=train_loss, eval_loss=eval_loss,

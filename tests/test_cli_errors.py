@@ -68,3 +68,39 @@ def test_a_join_after_the_last_round_exits_2():
     result = run_cli("local", "--config", "configs/tiny.yaml", "--rounds", "3", "--join", "4")
     assert result.returncode == 2
     assert "--join 4" in one_line_error(result)
+
+
+def test_monitor_port_in_use_exits_1_naming_the_port():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.time()
+        result = run_cli("monitor", "--initial-peers", f"/ip4/127.0.0.1/tcp/1/p2p/{SOME_ID}", "--run", "r",
+                         "--port", str(port))
+    assert result.returncode == 1
+    assert f"port {port}" in one_line_error(result)
+    assert time.time() - start < 30  # refused before any DHT starts
+
+
+def test_monitor_unreadable_multiaddr_exits_2_naming_it():
+    result = run_cli("monitor", "--initial-peers", "not-a-maddr", "--run", "r")
+    assert result.returncode == 2
+    assert "not-a-maddr" in one_line_error(result)
+
+
+def test_monitor_bad_port_exits_2():
+    result = run_cli("monitor", "--initial-peers", f"/ip4/127.0.0.1/tcp/1/p2p/{SOME_ID}", "--run", "r",
+                     "--port", "70000")
+    assert result.returncode == 2
+    assert "port 70000" in one_line_error(result)
+
+
+def test_local_monitor_port_in_use_exits_1_naming_the_port():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli("local", "--config", "configs/tiny.yaml", "--peers", "1", "--monitor-port", str(port))
+    assert result.returncode == 1
+    assert f"port {port}" in one_line_error(result)

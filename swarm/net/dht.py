@@ -81,6 +81,13 @@ def _parse_maddrs(key: str, values: list[str], *, need_peer_id: bool = False) ->
     return list(values)
 
 
+def check_addresses(cfg: SwarmConfig) -> None:
+    """Raise the UsageError `start_dht` would raise for an unreadable address, before anything starts."""
+    _parse_maddrs("initial_peers", cfg.initial_peers, need_peer_id=True)
+    _parse_maddrs("host_maddrs", cfg.host_maddrs)
+    _parse_maddrs("announce_maddrs", cfg.announce_maddrs)
+
+
 def _explain(error: BaseException, cfg: SwarmConfig) -> SwarmError:
     text = str(error)
     if "address already in use" in text:

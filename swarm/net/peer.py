@@ -10,8 +10,8 @@ calls in with bounded waits:
   trainer's buffers. A failed attempt is retried with whoever is still alive until the round's deadline
   (`budget.round_deadline`, from the vector's bytes), after which the round is discarded (averaged=None),
   never half-averaged. A peer that meets nobody and that the records show alone applies its own step.
-- `publish_progress()`: a `ProgressRecord` under `{run_id}_progress`; a heartbeat thread re-stores it every
-  `cfg.progress_interval`, so a record that stopped changing is a dead peer's (policy.py).
+- `publish_progress()`: a `ProgressRecord` under `{run_id}_progress` (with the trainer's last `PeerStats`, for
+  watchers); a heartbeat re-stores it every `cfg.progress_interval`: a record that stopped changing is a dead peer's.
 - `offer_state()`: serve this snapshot to newcomers and record the commit (`{run_id}_commits`).
 - `fetch_state()`: take the swarm's state from the donors the policy names, verified against the hash the
   swarm committed; SwarmError if the swarm is ahead and no donor can give it within the live window plus
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import random
@@ -36,7 +37,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
-from swarm.averaging import Averager, Download, Intake, RoundOutcome, Snapshot
+from swarm.averaging import Averager, Download, Intake, PeerStats, RoundOutcome, Snapshot
 from swarm.config import FaultsConfig, SwarmConfig, live_window
 from swarm.diloco import PseudoGradient
 from swarm.errors import SwarmError
@@ -81,6 +82,7 @@ class SwarmAverager(Averager):
         self.peer_id, self._owner = str(dht.peer_id), identity.owner  # our records' subkey: we sign them
         self._codec = get_codec(cfg.compression)
         self._last_progress: Optional[tuple] = None  # publish_progress arguments, re-sent by the heartbeat
+        self._stats = PeerStats()  # the last ones the trainer gave, in every record until it gives others
         self._ready_seen: tuple[int, float, bool] = (-1, 0.0, False)  # others_ready: (round, when asked, answer)
         self._averaged_once = False  # until a first group, peers starting with us may not have a record yet
         self._dht_lock = threading.Lock()  # the trainer's thread and the heartbeat share the DHT's pipe
@@ -214,7 +216,8 @@ class SwarmAverager(Averager):
     # ---- progress and position ------------------------------------------------------------------------
 
     def publish_progress(self, round: int, inner_step: int, samples: int, samples_per_s: float,
-                         ready: bool = False, sha256: str = "") -> None:
+                         ready: bool = False, sha256: str = "", stats: Optional[PeerStats] = None) -> None:
+        self._stats = stats or self._stats
         self._last_progress = (round, inner_step, samples, samples_per_s, ready, sha256)
         self._store_progress(warn=True)
 
@@ -225,7 +228,7 @@ class SwarmAverager(Averager):
             record = schema.ProgressRecord(
                 peer_id=self.peer_id, name=self.peer_name, round=round, inner_step=inner_step, samples=samples,
                 samples_per_s=float(samples_per_s), time=float(now), serves_state=self._server.snapshot is not None,
-                ready=ready, sha256=sha256)
+                ready=ready, sha256=sha256, **schema.watched(**dataclasses.asdict(self._stats)))
             self._published = record
             future = self.dht.store(schema.progress_key(self.cfg.run_id), self.hooks.progress(record.dict()),
                                     subkey=self._owner,

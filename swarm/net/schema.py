@@ -11,7 +11,11 @@ peer id from that key, so a peer can only ever speak for itself.
 
 - `{run_id}_progress`  dictionary, subkey = owner marker, value = `ProgressRecord.dict()`;
   re-stored by the peer's heartbeat every `progress_interval`, expires `cfg.progress_expiration` after it
-  was written. Liveness is read from its `time` (`policy.py`), expiry only removes the dead.
+  was written. Liveness is read from its `time` (`policy.py`), expiry only removes the dead. Its optional
+  fields (`loss`, `tokens_per_s`, `bytes_sent`, `bytes_received`, `eval_loss`, `eval_round`) are for
+  watchers only (`swarm monitor`, swarm/monitor/): no peer decides anything on them. Each defaults to None
+  (not known yet); a peer always stores every field, so the DHT's strict check (`parse_obj(v).dict() ==
+  v`) holds, and a non-finite number is stored as None (NaN != NaN would fail that check).
 - `{run_id}_commits`   dictionary, subkey = owner marker, value = `CommitRecord.dict()`: the last round each peer
   committed or downloaded and its hash; kept `RUN_RECORD_EXPIRATION`, long after the peer left, so a peer
   that comes back late knows how far the swarm got (and never trains on alone from an older round).
@@ -27,6 +31,7 @@ Numbers use strict pydantic types: `SchemaValidator` rejects any record that nee
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Optional, Union
 
@@ -44,6 +49,7 @@ RUN_RECORD_EXPIRATION = 7 * 24 * 3600.0
 
 Sha256 = constr(regex=r"^([0-9a-f]{64})?$", strict=True)
 Owner = conbytes(regex=b"^" + RSASignatureValidator.PUBLIC_KEY_REGEX + b"$", max_length=2048)
+Finite = confloat(strict=True, allow_inf_nan=False)
 
 
 class ProgressRecord(BaseModel):
@@ -59,6 +65,13 @@ class ProgressRecord(BaseModel):
     serves_state: StrictBool  # True once the peer has offered a state (it can be a donor)
     ready: StrictBool = False  # True once it finished this round's inner steps and looks for a group
     sha256: Sha256 = ""  # hash of its global parameters at `round` ("" not known yet)
+    # For watchers (swarm monitor) only; None: not known yet.
+    loss: Optional[Finite] = None  # training loss of its last inner step
+    tokens_per_s: Optional[confloat(ge=0.0, strict=True, allow_inf_nan=False)] = None  # over this round's steps
+    bytes_sent: Optional[conint(ge=0, strict=True)] = None  # all-reduce payload since the peer started
+    bytes_received: Optional[conint(ge=0, strict=True)] = None
+    eval_loss: Optional[Finite] = None  # held-out loss of its global parameters at `eval_round`
+    eval_round: Optional[conint(ge=0, strict=True)] = None
 
 
 class CommitRecord(BaseModel):
@@ -81,6 +94,21 @@ class RunSchema(BaseModel):
     progress: dict[Owner, Optional[ProgressRecord]]
     commits: dict[Owner, Optional[CommitRecord]]
     run: dict[Owner, Optional[RunRecord]]
+
+
+def watched(loss: Optional[float] = None, tokens_per_s: Optional[float] = None, bytes_sent: Optional[int] = None,
+            bytes_received: Optional[int] = None, eval_loss: Optional[float] = None,
+            eval_round: Optional[int] = None) -> dict:
+    """The optional fields of a ProgressRecord from plain numbers: a non-finite number or a negative count
+    becomes None (not known), so the record always passes the strict check."""
+    def number(x: Optional[float], low: float = -math.inf) -> Optional[float]:
+        return float(x) if x is not None and math.isfinite(x) and x >= low else None
+
+    def count(x: Optional[int]) -> Optional[int]:
+        return int(x) if x is not None and x >= 0 else None
+
+    return dict(loss=number(loss), tokens_per_s=number(tokens_per_s, 0.0), bytes_sent=count(bytes_sent),
+                bytes_received=count(bytes_received), eval_loss=number(eval_loss), eval_round=count(eval_round))
 
 
 def progress_key(run_id: str) -> str:
