@@ -109,6 +109,20 @@ def group_id(members: list[PeerID], metas: list[dict]) -> bytes:
     return h.digest()[:16]
 
 
+class _NoGroupIsNoError(logging.Filter):
+    """hivemind logs a full traceback (`logger.exception`) whenever a step finds no group, which reads as a
+    crash; for us it is an expected outcome that `form_group` reports in one line (NoGroup)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and "could not find a group" in str(record.exc_info[1]))
+
+
+def _quiet_hivemind() -> None:
+    averager_log = logging.getLogger("hivemind.averaging.averager")  # the forked averager inherits the filter
+    if not any(isinstance(f, _NoGroupIsNoError) for f in averager_log.filters):
+        averager_log.addFilter(_NoGroupIsNoError())
+
+
 class _GroupAverager(DecentralizedAverager):
     """hivemind's averager with a per-step group size (a leader starts as soon as this many peers joined)
     that, as a leader, refuses the join requests of peers its `Access` refuses."""
@@ -151,6 +165,7 @@ class _GroupAverager(DecentralizedAverager):
 class Matchmaker:
     def __init__(self, cfg: SwarmConfig, dht: hivemind.DHT, fingerprint: str, access: Optional[Access] = None):
         self.cfg, self.access = cfg, access or Access()
+        _quiet_hivemind()
         with children_die_with_us():
             self._averager = _GroupAverager(
                 [torch.zeros(1)], dht, start=True,

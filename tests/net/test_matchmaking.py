@@ -1,7 +1,10 @@
 """Matchmaking: peers of one round meet in one group, in one order, behind a checked barrier."""
 
 import concurrent.futures
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import fast_cfg, three_dhts
@@ -81,3 +84,30 @@ def test_garbage_metadata_is_refused_and_its_sender_banned():
         finally:
             for m in makers:
                 m.close()
+
+
+LONE_PEER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from conftest import fast_cfg
+from swarm.net.dht import start_dht
+from swarm.net.matchmaking import Matchmaker, NoGroup
+dht = start_dht(fast_cfg())
+maker = Matchmaker(fast_cfg(), dht, "fp")
+try:
+    maker.form_group(9, {"samples": 1}, 4.0)
+except NoGroup as e:
+    print("alone" if e.alone else "not alone", flush=True)
+finally:
+    maker.close()
+    dht.shutdown()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_alone_gets_one_line_not_a_traceback():
+    """hivemind logs a traceback when a step finds no group: an expected outcome here, reported as NoGroup."""
+    result = subprocess.run([sys.executable, "-c", LONE_PEER, str(Path(__file__).parent)], capture_output=True,
+                            text=True, timeout=50, cwd=Path(__file__).parents[2])
+    assert result.stdout.strip() == "alone", result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and "could not find a group" not in result.stderr, result.stderr[-2000:]
