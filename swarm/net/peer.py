@@ -42,23 +42,17 @@ from swarm.diloco import PseudoGradient
 from swarm.errors import SwarmError
 from swarm.net import policy, schema
 from swarm.net.allreduce import AllReduce
-from swarm.net.budget import chunk_elements, round_deadline, transfer_deadline
+from swarm.net.budget import chunk_elements, round_deadline
 from swarm.net.codec import get_codec
+from swarm.net.grouping import Offenses, OtherBase, on_majority_base
 from swarm.net.groupstate import AllReduceFailed, Contribution
 from swarm.net.layout import WireLayout
-from swarm.net.matchmaking import Group, Matchmaker, NoGroup
+from swarm.net.matchmaking import Matchmaker, NoGroup
+from swarm.net.robust import Rule
 from swarm.net.statesync import StateRefused, StateServer, download
 from swarm.net.wire import WireError
 
 logger = logging.getLogger(__name__)
-
-
-class OtherBase(Exception):
-    """The group's majority holds other global parameters than ours; `donors` are its members."""
-
-    def __init__(self, reason: str, donors: list[str]):
-        super().__init__(reason)
-        self.donors = donors
 
 
 def _die_now() -> None:
@@ -79,6 +73,7 @@ class SwarmAverager(Averager):
         self._last_progress: Optional[tuple] = None  # publish_progress arguments, re-sent by the heartbeat
         self._ready_seen: tuple[int, float, bool] = (-1, 0.0, False)  # others_ready: (round, when asked, answer)
         self._averaged_once = False  # until a first group, peers starting with us may not have a record yet
+        self._offenses = Offenses()  # groupmates caught misbehaving: left out of our groups (grouping.py)
         self._dht_lock = threading.Lock()  # the trainer's thread and the heartbeat share the DHT's pipe
         self._stopping = threading.Event()
         self._pool = concurrent.futures.ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 2)),
@@ -93,7 +88,8 @@ class SwarmAverager(Averager):
         try:
             self._p2p = self._call(dht.replicate_p2p(), cfg.bootstrap_timeout)
             name = lambda what: schema.handler_name(cfg.run_id, fingerprint, what)  # noqa: E731
-            self._allreduce = AllReduce(self._p2p, name("ar"), cfg.stall_timeout, cfg.min_bandwidth, self._pool)
+            self._allreduce = AllReduce(self._p2p, name("ar"), cfg.stall_timeout, cfg.min_bandwidth, self._pool,
+                                        Rule.of(cfg))
             self._server = StateServer(self._p2p, name("state"), cfg.stall_timeout, self._pool)
             self._state_handler = name("state")
             self._call(self._start_handlers(), cfg.bootstrap_timeout)
@@ -142,15 +138,17 @@ class SwarmAverager(Averager):
                     round, {"samples": int(samples), "numel": full.numel, "base": base},
                     timeout=min(left, 2 * self.cfg.matchmaking_time),
                     expected=position.expected_group if self._averaged_once else None)
-                group = self._on_majority_base(group, base)
+                group = on_majority_base(group, base)
+                if (kept := self._offenses.exclude(group, round)) is not group:
+                    self._abandon(group.group_id, group.members, "offenders left out")  # whoever runs it
+                    group = kept
             except OtherBase as e:
                 return RoundOutcome(None, comm_s=time.monotonic() - start, behind=True, donors=e.donors,
                                     note=str(e))
             except NoGroup as e:
                 reason = e.reason
                 if e.left is not None:  # groupmates that believe in this group must not wait for us
-                    asyncio.run_coroutine_threadsafe(
-                        self._allreduce.abandon(e.left.group_id, e.left.members, e.reason), self._loop)
+                    self._abandon(e.left.group_id, e.left.members, e.reason)
                 if e.alone and self._assess(round, base).verdict == policy.Verdict.ALONE:
                     for i, o in enumerate(out):
                         o.copy_(pseudo_grad.read(i, 0, o.numel()).view(o.shape))
@@ -168,12 +166,15 @@ class SwarmAverager(Averager):
                     raise AllReduceFailed(f"groupmates average vectors of other sizes: "
                                           f"{[m.get('numel') for m in group.metas]}")
                 contribution = Contribution(pseudo_grad.read, float(samples), out, residual)
-                bound = transfer_deadline(layout.member_wire_bytes(group.members.index(self._p2p.peer_id)),
-                                          self.cfg.stall_timeout, self.cfg.min_bandwidth) + self.cfg.stall_timeout
+                me = group.members.index(self._p2p.peer_id)
+                bound = self._allreduce.deadline(layout, me) + self.cfg.stall_timeout
                 allreduce_start = time.monotonic()
-                traffic = self._call(self._allreduce.run(group.group_id, group.members, layout, contribution), bound)
+                traffic = self._call(self._allreduce.run(group.group_id, group.members, layout, contribution,
+                                                         [m.get("samples") for m in group.metas]), bound)
             except (AllReduceFailed, TimeoutError) as e:
                 reason = str(e)
+                if getattr(e, "culprit", None) is not None:
+                    self._offenses.record(e.culprit, round, reason)
                 logger.warning(f"round {round + 1}: all-reduce in a group of {len(group.members)} failed: {e}; "
                                f"retrying")
                 continue
@@ -187,21 +188,9 @@ class SwarmAverager(Averager):
                             note=f"round {round + 1} discarded after {time.monotonic() - start:.0f} s "
                                  f"(the round's deadline, budget.round_deadline): {reason}")
 
-    def _on_majority_base(self, group: Group, base: str) -> Group:
-        """Keep the members whose global parameters (`base` hash) are the group's majority; ties go to the
-        larger hash, so every member picks the same subgroup. A member outside it raises OtherBase."""
-        bases = [m.get("base") for m in group.metas]
-        majority = max(set(bases), key=lambda b: (bases.count(b), str(b)))
-        keep = [i for i, b in enumerate(bases) if b == majority]
-        if base != majority:
-            raise OtherBase(f"global parameters differ from {len(keep)} of {len(bases)} groupmates: "
-                            f"taking their state", [str(group.members[i]) for i in keep])
-        if len(keep) < len(bases):
-            logger.warning(f"{len(bases) - len(keep)} groupmates hold other global parameters; "
-                           f"averaging without them")
-        if len(keep) == 1:
-            raise NoGroup("no groupmate shares our global parameters", alone=True)
-        return Group(group.group_id, [group.members[i] for i in keep], [group.metas[i] for i in keep])
+    def _abandon(self, group_id: bytes, members: list, reason: str) -> None:
+        """Tell `members` that we leave `group_id`, so that they do not wait for us."""
+        asyncio.run_coroutine_threadsafe(self._allreduce.abandon(group_id, members, reason), self._loop)
 
     # ---- progress and position ------------------------------------------------------------------------
 

@@ -53,10 +53,17 @@ share per iteration, honest members near the median are barely clipped."""
 
 @dataclass(frozen=True)
 class Rule:
-    """How an owner reduces a chunk (the same on every member: these keys are in the run's fingerprint)."""
+    """How a group reduces, the same on every member (these SwarmConfig keys are in the run's fingerprint)."""
 
     aggregation: str = "mean"
     clip_norm_ratio: float = 0.0
+    max_weight_share: float = 1.0
+    verify: bool = False  # swarm.verify_parts: members audit the owners (audit.py)
+
+    @classmethod
+    def of(cls, cfg) -> Rule:
+        """From a SwarmConfig."""
+        return cls(cfg.aggregation, cfg.clip_norm_ratio, cfg.max_weight_share, cfg.verify_parts)
 
 
 def stable(x: float) -> float:

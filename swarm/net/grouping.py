@@ -1,0 +1,88 @@
+"""Who this peer averages with, among the members matchmaking put in its group.
+
+- `on_majority_base`: only members on the group's majority global parameters (the others take its state).
+- `Offenses`: groupmates caught sending what no honest peer sends (`AllReduceFailed.culprit`: malformed or
+  non-finite data, a weight other than announced, a wrong average found by an audit). An offender is left
+  out of this peer's later groups in the same round; one caught `BAN_AFTER` times is left out for the run.
+  Matchmaking cannot refuse a peer (hivemind forms the group), so `exclude` drops the offenders from a
+  formed group and gives the rest a new group id (the old id plus who was dropped): groupmates that caught
+  the same offender (each owner sees a bad contributor itself) run the new group together at once; one
+  that disagrees runs another id and stalls out within `stall_timeout`, then retries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import Counter
+
+from hivemind.p2p import PeerID
+
+from swarm.net.matchmaking import Group, NoGroup
+
+logger = logging.getLogger(__name__)
+
+BAN_AFTER = 2
+"""Offenses after which a peer is left out for the rest of the run (one could be a bug in a retried round;
+two in one run are not)."""
+
+MAX_TRACKED = 4096
+"""Offenders remembered at once: a bounded memory however many identities a hostile party makes up."""
+
+
+class OtherBase(Exception):
+    """The group's majority holds other global parameters than ours; `donors` are its members."""
+
+    def __init__(self, reason: str, donors: list[str]):
+        super().__init__(reason)
+        self.donors = donors
+
+
+def on_majority_base(group: Group, base: str) -> Group:
+    """Keep the members whose global parameters (`base` hash) are the group's majority; ties go to the
+    larger hash, so every member picks the same subgroup. A member outside it raises OtherBase."""
+    bases = [m.get("base") for m in group.metas]
+    majority = max(set(bases), key=lambda b: (bases.count(b), str(b)))
+    keep = [i for i, b in enumerate(bases) if b == majority]
+    if base != majority:
+        raise OtherBase(f"global parameters differ from {len(keep)} of {len(bases)} groupmates: "
+                        f"taking their state", [str(group.members[i]) for i in keep])
+    if len(keep) < len(bases):
+        logger.warning(f"{len(bases) - len(keep)} groupmates hold other global parameters; averaging without them")
+    if len(keep) == 1:
+        raise NoGroup("no groupmate shares our global parameters", alone=True)
+    return Group(group.group_id, [group.members[i] for i in keep], [group.metas[i] for i in keep])
+
+
+class Offenses:
+    def __init__(self):
+        self.counts: Counter[PeerID] = Counter()
+        self.round, self.this_round = -1, set()
+
+    def record(self, peer: PeerID, round: int, reason: str) -> None:
+        if round != self.round:
+            self.round, self.this_round = round, set()
+        if peer not in self.counts and len(self.counts) >= MAX_TRACKED:
+            del self.counts[min(self.counts, key=self.counts.__getitem__)]  # forget a least frequent one
+        self.counts[peer] += 1
+        self.this_round.add(peer)
+        banned = " (banned for the run)" if self.counts[peer] >= BAN_AFTER else ""
+        logger.warning(f"offense {self.counts[peer]} of {peer}{banned}: {reason}")
+
+    def excluded(self, peer: PeerID, round: int) -> bool:
+        return self.counts[peer] >= BAN_AFTER or (round == self.round and peer in self.this_round)
+
+    def exclude(self, group: Group, round: int) -> Group:
+        """`group` without the offenders, under a new id if any was dropped; NoGroup if only we remain."""
+        out = [i for i, p in enumerate(group.members) if self.excluded(p, round)]
+        if not out:
+            return group
+        keep = [i for i in range(len(group.members)) if i not in out]
+        dropped = [group.members[i] for i in out]
+        logger.warning(f"round {round + 1}: leaving out offenders {[str(p) for p in dropped]}")
+        if len(keep) < 2:
+            raise NoGroup(f"only offenders {[str(p) for p in dropped]} in our group", alone=False, left=group)
+        h = hashlib.sha256(group.group_id)
+        for peer in dropped:
+            h.update(peer.to_bytes())
+        return Group(h.digest()[:16], [group.members[i] for i in keep], [group.metas[i] for i in keep])
