@@ -338,7 +338,7 @@ class AllReduce:
         try:
             await channel.recv_kind(Kind.DONE, 512)  # room for a FAIL's reason; more than its part is refused
         except PeerFailed as e:  # with verify_parts: its audit failed (audit.py), so must the round
-            await audit.refused(group, f"{channel.peer} refused the round: {e}")
+            await audit.refused(group, f"a groupmate refused the round: {e}")
         except ProtocolError as e:
             logger.warning(f"all-reduce: {channel.peer} sent more than its part: {e}")
         except WireError:
