@@ -1,6 +1,7 @@
 """Who this peer averages with, among the members matchmaking put in its group.
 
 - `on_majority_base`: only members on the group's majority global parameters (the others take its state).
+- `agreed_chunk`: the chunk size all members cut parts with, whatever their own time-outs.
 - `Offenses`: groupmates caught sending what no honest peer sends (`AllReduceFailed.culprit`: malformed or
   non-finite data, a weight other than announced, a wrong average found by an audit). An offender is left
   out of this peer's later groups in the same round; one caught `BAN_AFTER` times is left out for the run.
@@ -18,6 +19,8 @@ from collections import Counter
 
 from hivemind.p2p import PeerID
 
+from swarm.net.groupstate import AllReduceFailed
+from swarm.net.layout import CHUNK_ELEMENTS
 from swarm.net.matchmaking import Group, NoGroup
 
 logger = logging.getLogger(__name__)
@@ -52,6 +55,18 @@ def on_majority_base(group: Group, base: str) -> Group:
     if len(keep) == 1:
         raise NoGroup("no groupmate shares our global parameters", alone=True)
     return Group(group.group_id, [group.members[i] for i in keep], [group.metas[i] for i in keep])
+
+
+def agreed_chunk(group: Group) -> int:
+    """The smallest chunk any member asked for in matchmaking (each its `budget.chunk_elements`, from its own
+    stall_timeout and min_bandwidth): members whose time-outs differ still cut the parts alike, instead of
+    refusing each other's chunks as malformed (and naming an honest peer the culprit)."""
+    for peer, meta in zip(group.members, group.metas):
+        c = meta.get("chunk")
+        if not (type(c) is int and 2**10 <= c <= CHUNK_ELEMENTS and c & (c - 1) == 0):
+            raise AllReduceFailed(f"{peer} asked for chunks of {c!r} elements, not a power of two in "
+                                  f"[2^10, {CHUNK_ELEMENTS}]", peer)
+    return min(meta["chunk"] for meta in group.metas)
 
 
 class Offenses:

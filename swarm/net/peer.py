@@ -44,7 +44,7 @@ from swarm.net import policy, schema
 from swarm.net.allreduce import AllReduce
 from swarm.net.budget import chunk_elements, round_deadline
 from swarm.net.codec import get_codec
-from swarm.net.grouping import Offenses, OtherBase, on_majority_base
+from swarm.net.grouping import Offenses, OtherBase, agreed_chunk, on_majority_base
 from swarm.net.groupstate import AllReduceFailed, Contribution
 from swarm.net.layout import WireLayout
 from swarm.net.matchmaking import Matchmaker, NoGroup
@@ -118,6 +118,7 @@ class SwarmAverager(Averager):
         if not pseudo_grad.is_finite():
             return RoundOutcome(None, note="the local pseudo-gradient is not finite; not sent")
         full = WireLayout(pseudo_grad.shapes, self._codec, 1)
+        chunk = chunk_elements(self.cfg.stall_timeout, self.cfg.min_bandwidth)
         deadline = start + round_deadline(2 * full.part_wire_bytes(0), self.cfg)  # 2 (n-1)/n V < 2 V
         residual = ([torch.zeros(s) for s in pseudo_grad.shapes]
                     if self.cfg.error_feedback and self._codec.lossy else None)
@@ -135,7 +136,7 @@ class SwarmAverager(Averager):
                                     donors=list(position.donors), note=position.note)
             try:
                 group = self._matchmaker.form_group(
-                    round, {"samples": int(samples), "numel": full.numel, "base": base},
+                    round, {"samples": int(samples), "numel": full.numel, "base": base, "chunk": chunk},
                     timeout=min(left, 2 * self.cfg.matchmaking_time),
                     expected=position.expected_group if self._averaged_once else None)
                 group = on_majority_base(group, base)
@@ -156,8 +157,6 @@ class SwarmAverager(Averager):
                 logger.info(f"round {round + 1}: {reason}; retrying")
                 continue
             logger.debug(f"round {round + 1}: a group of {len(group.members)} after {time.monotonic() - start:.2f} s")
-            layout = WireLayout(pseudo_grad.shapes, self._codec, len(group.members),
-                                chunk_elements(self.cfg.stall_timeout, self.cfg.min_bandwidth))
             if residual is not None:
                 for r in residual:
                     r.zero_()
@@ -165,6 +164,7 @@ class SwarmAverager(Averager):
                 if any(m.get("numel") != full.numel for m in group.metas):
                     raise AllReduceFailed(f"groupmates average vectors of other sizes: "
                                           f"{[m.get('numel') for m in group.metas]}")
+                layout = WireLayout(pseudo_grad.shapes, self._codec, len(group.members), agreed_chunk(group))
                 contribution = Contribution(pseudo_grad.read, float(samples), out, residual)
                 me = group.members.index(self._p2p.peer_id)
                 bound = self._allreduce.deadline(layout, me) + self.cfg.stall_timeout
