@@ -24,6 +24,9 @@ Detection: an owner that falsifies c of the K chunks of its part passes one audi
 (the way to dictate the average), 1 - (1 - 1/K)^(n-1) ~ (n-1)/K for one chunk (8 members, K = 40 chunks
 of a 10M-element part: 16 %).
 
+Each member checks the bytes it received: an owner that sends one member a falsified chunk and the
+others the true one is caught by that member alone, with probability 1/K if it falsifies one chunk.
+
 Cost per member and round: (n-1)(n-2) contribution chunks fetched (and as many served), (n-1) chunks
 recomputed, 16 n bytes of digests per result chunk. Not covered: a part taken from a groupmate after its
 owner was lost (repair.py: no digests, not audited); a contributor that does not answer the fetch (that
