@@ -27,10 +27,13 @@ of a 10M-element part: 16 %).
 Each member checks the bytes it received: an owner that sends one member a falsified chunk and the
 others the true one is caught by that member alone, with probability 1/K if it falsifies one chunk.
 
-Cost per member and round: (n-1)(n-2) contribution chunks fetched (and as many served), (n-1) chunks
-recomputed, 16 n bytes of digests per result chunk. Not covered: a part taken from a groupmate after its
-owner was lost (repair.py: no digests, not audited); a contributor that does not answer the fetch (that
-part goes unchecked, logged); and a CPU whose float rounding differs (a false alarm, the round retried).
+Cost per member and round: (n-1)^2 contribution chunks fetched (n-1 parts, each from the n-1 others, the
+owner included) and as many served, n-1 chunks recomputed, 16 n bytes of digests per result chunk. Against
+the all-reduce's 2 (n-1)/n V: measured +26 % received at 3M fp32 elements and n = 3 (4 chunks of 1 MiB on
+16 MB), and by the formula +5 % for a 150M-parameter fp32 model at n = 8, +11 % for 1.1B at n = 32 (it
+grows as n^2 chunks against V). Not covered: a part taken from a groupmate after its owner was lost
+(repair.py: no digests, not audited); a contributor that does not answer the fetch (that part goes
+unchecked, logged); and a CPU whose float rounding differs (a false alarm, the round retried).
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def pick(group: GroupState) -> None:
 
 def audit_bytes(group_size: int, chunk_bytes: int) -> int:
     """Bytes one member fetches for its audits (and serves to the others'): the deadline counts them."""
-    return (group_size - 1) * max(group_size - 2, 0) * chunk_bytes
+    return (group_size - 1) ** 2 * chunk_bytes
 
 
 def encode_pure(group: GroupState, chunk) -> bytes:
