@@ -5,6 +5,7 @@ import pytest
 import torch
 from conftest import run_group, three_dhts
 
+from swarm.net import allreduce
 from swarm.net.codec import get_codec
 from swarm.net.groupstate import AllReduceFailed
 from swarm.net.layout import WireLayout
@@ -96,3 +97,31 @@ def test_an_owner_returning_a_wrong_average_is_named(dhts):
     for r in results[1:]:  # each found it itself (a groupmate's word would name nobody)
         assert f"owner {members[0]} returned a wrong average" in str(r) and r.culprit == members[0], results
     assert isinstance(results[0], AllReduceFailed)  # the liar is refused too: the others' FAIL reached it
+
+
+@pytest.mark.timeout(30)
+def test_a_weight_other_than_announced_is_refused_naming_its_sender(dhts, monkeypatch):
+    """Member 1 announced 7 samples (the weights every member holds) but says 7e6 in its HELLOs."""
+    send_control = allreduce.Channel.send_control
+
+    async def lying(self, kind, value):
+        if value.get("weight") == 7.0:
+            value = dict(value, weight=7e6)
+        await send_control(self, kind, value)
+    monkeypatch.setattr(allreduce.Channel, "send_control", lying)
+    members, results = run_group(dhts, [torch.randn(3000) for _ in range(3)], [1.0, 7.0, 1.0], stall=3.0)
+    for i in (0, 2):
+        assert isinstance(results[i], AllReduceFailed) and results[i].culprit == members[1], results
+        assert "sent weight 7000000.0, not the 7.0 it announced" in str(results[i])
+
+
+@pytest.mark.timeout(30)
+def test_a_nan_contribution_names_its_sender_as_culprit(dhts, monkeypatch):
+    def encode_unchecked(self, group, chunk):  # a hostile member that skips its own finiteness check
+        return group.layout.codec_of(chunk).encode(allreduce.gather(group.mine.read, chunk))
+    monkeypatch.setattr(allreduce.AllReduce, "_encode_mine", encode_unchecked)
+    vectors = [torch.randn(3000) for _ in range(3)]
+    vectors[1][100] = float("nan")  # in part 0: owner 0 sees it itself
+    members, results = run_group(dhts, vectors, [1.0, 1.0, 1.0], stall=3.0)
+    assert isinstance(results[0], AllReduceFailed) and results[0].culprit == members[1], results
+    assert all(isinstance(r, AllReduceFailed) for r in results)
