@@ -39,7 +39,7 @@ from hivemind.p2p import P2P, PeerID
 from swarm.net import audit
 from swarm.net.budget import transfer_deadline
 from swarm.net.codec import CodecError
-from swarm.net.groupstate import AllReduceFailed, Contribution, GroupState, together
+from swarm.net.groupstate import AllReduceFailed, Contribution, GroupState, check_weights, together
 from swarm.net.layout import Chunk, WireLayout, gather, scatter
 from swarm.net.repair import repair, serve_repair
 from swarm.net.robust import Rule, reduce_chunk
@@ -97,12 +97,7 @@ class AllReduce:
         """Average `contribution` among `members` into `contribution.out`; AllReduceFailed otherwise.
         `weights`: every member's, as all members agreed (matchmaking); ours is `contribution.weight`."""
         me = list(members).index(self.p2p.peer_id)
-        for i, w in enumerate(weights):
-            if not (isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 0):
-                raise AllReduceFailed(f"{'our own' if i == me else members[i]} weight {w!r} is not a finite "
-                                      f"number >= 0", None if i == me else members[i])
-        if weights[me] != contribution.weight or not any(w > 0 for w in weights):
-            raise AllReduceFailed(f"weights {list(weights)}: ours is not {contribution.weight} or none is > 0")
+        check_weights(members, weights, me, contribution.weight)
         slot = self._groups.setdefault(group_id, asyncio.get_running_loop().create_future())
         if slot.done():
             raise AllReduceFailed(f"group {group_id.hex()[:8]} was already run here")
@@ -112,12 +107,7 @@ class AllReduce:
             await group.fail("{} left the group: {}".format(*self._abandoned.pop(group_id)))
         tasks = [asyncio.ensure_future(self._reduce_own(group))]
         tasks += [asyncio.ensure_future(self._exchange(group, j)) for j in range(len(members)) if j != me]
-        if self.rule.verify:  # everyone's audit passed, and every groupmate said so (or left): audit.py
-            audit.pick(group)
-            tasks.append(asyncio.ensure_future(audit.audit(self, group)))
-            done = lambda: group.complete() and group.audited and len(group.settled) == len(members)  # noqa: E731
-        else:
-            done = group.complete
+        done = audit.start(self, group, tasks) if self.rule.verify else group.complete
         deadline = self.deadline(layout, me)
         watch = asyncio.ensure_future(group.wait_for(done, None, "all-reduce"))
         try:
@@ -286,7 +276,13 @@ class AllReduce:
 
     async def _serve_contributions(self, channel: Channel) -> None:
         """One member's stream to us, the owner of our part: its chunks in, our part's averages out."""
-        hello = await channel.recv_control()
+        try:
+            hello = await channel.recv_control()
+        except ProtocolError as e:  # no honest peer sends that: name it in the groups that wait for it
+            for group in [g for g in map(self.held, list(self._groups)) if g and channel.peer in g.members
+                          and g.members.index(channel.peer) not in g.hello]:
+                await group.fail(f"part {group.me}: {channel.peer} sent an unreadable HELLO: {e}", channel.peer)
+            raise
         if "abandon" in hello:
             return self._left(hello.get("group"), channel.peer, hello["abandon"])
         group = await self._wait_group(hello.get("group"), channel)

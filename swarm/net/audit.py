@@ -42,7 +42,7 @@ import asyncio
 import hashlib
 import logging
 import secrets
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from swarm.net.codec import CodecError
 from swarm.net.groupstate import AllReduceFailed, GroupState
@@ -63,9 +63,12 @@ def digest(payload: bytes | bytearray) -> bytes:
     return hashlib.blake2b(payload, digest_size=DIGEST).digest()
 
 
-def pick(group: GroupState) -> None:
-    """The chunk of every other part we will recompute, chosen now and told to nobody."""
+def start(ar: AllReduce, group: GroupState, tasks: list) -> Callable[[], bool]:
+    """Pick the chunk of every other part we will recompute (now, told to nobody), add our audit to the run's
+    `tasks`; return when the run is done: complete, our audit passed, every groupmate said DONE (or left)."""
     group.audit_pick = {j: secrets.randbelow(len(c)) for j, c in enumerate(group.chunks) if j != group.me and c}
+    tasks.append(asyncio.ensure_future(audit(ar, group)))
+    return lambda: group.complete() and group.audited and len(group.settled) == len(group.members)
 
 
 def audit_bytes(group_size: int, chunk_bytes: int) -> int:

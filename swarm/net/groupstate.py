@@ -46,6 +46,17 @@ async def together(*steps) -> None:
             task.cancel()
 
 
+def check_weights(members: Sequence[PeerID], weights: Sequence[object], me: int, ours: float) -> None:
+    """The weights all members agreed on (matchmaking) must be finite numbers >= 0, ours among them, one > 0;
+    AllReduceFailed naming the member whose is not."""
+    for i, w in enumerate(weights):
+        if not (isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 0):
+            raise AllReduceFailed(f"{'our own' if i == me else members[i]} weight {w!r} is not a finite "
+                                  f"number >= 0", None if i == me else members[i])
+    if weights[me] != ours or not any(w > 0 for w in weights):
+        raise AllReduceFailed(f"weights {list(weights)}: ours is not {ours} or none is > 0")
+
+
 @dataclass
 class Contribution:
     """What one member puts into an all-reduce, and where the average goes."""

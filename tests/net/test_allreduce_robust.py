@@ -125,3 +125,18 @@ def test_a_nan_contribution_names_its_sender_as_culprit(dhts, monkeypatch):
     members, results = run_group(dhts, vectors, [1.0, 1.0, 1.0], stall=3.0)
     assert isinstance(results[0], AllReduceFailed) and results[0].culprit == members[1], results
     assert all(isinstance(r, AllReduceFailed) for r in results)
+
+
+@pytest.mark.timeout(30)
+def test_an_unreadable_hello_names_its_sender(dhts, monkeypatch):
+    send_control = allreduce.Channel.send_control
+
+    async def garbled(self, kind, value):
+        if value.get("weight") == 7.0:  # member 1's HELLOs: 0xc1 is a byte msgpack never uses
+            return await self.send(kind, b"\xc1\xc1\xc1")
+        await send_control(self, kind, value)
+    monkeypatch.setattr(allreduce.Channel, "send_control", garbled)
+    members, results = run_group(dhts, [torch.randn(3000) for _ in range(3)], [1.0, 7.0, 1.0], stall=3.0)
+    for i in (0, 2):
+        assert isinstance(results[i], AllReduceFailed) and results[i].culprit == members[1], results
+        assert "unreadable HELLO" in str(results[i])
