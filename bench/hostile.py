@@ -18,16 +18,21 @@ from pathlib import Path
 from typing import Optional
 
 from bench.common import REPO, md_table, stamp
-from swarm.net.hostile import ATTACKS
+from swarm.net.attacks import ATTACKS
 
 PEERS, ATTACKER = 4, 3
 RUN = ["--rounds", "4", "--diloco.inner_steps", "30", "--inner.warmup_steps", "10", "--data.eval_batches", "4",
-       "--swarm.matchmaking_time", "3", "--swarm.request_timeout", "1", "--swarm.stall_timeout", "10"]
+       "--swarm.matchmaking_time", "3", "--swarm.request_timeout", "1", "--swarm.stall_timeout", "10",
+       # the defenses (off by default): every run, the unattacked one too, uses them
+       "--swarm.max_weight_share", "0.5", "--swarm.clip_norm_ratio", "4", "--swarm.aggregation", "trimmed_mean",
+       "--swarm.verify_parts", "true"]
+EXTRA = {"poison-state": ["--join", "2"]}  # a newcomer that downloads the state, maybe from the attacker
 
 
 def local_swarm(out: Path, hostile: Optional[str], timeout: float = 900) -> dict:
     argv = [sys.executable, "-m", "swarm.cli", "local", "--config", "configs/tiny.yaml", "--peers", str(PEERS),
-            "--out", str(out), *RUN, *(["--hostile", f"{hostile}@{ATTACKER}"] if hostile else [])]
+            "--out", str(out), "--no-monitor", *RUN, *EXTRA.get(hostile, []),
+            *(["--hostile", f"{hostile}@{ATTACKER}"] if hostile else [])]
     start = time.time()
     with open(out.with_suffix(".log"), "w") as log:
         proc = subprocess.run(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
@@ -44,9 +49,9 @@ def outcome(run: dict) -> dict:
     committed = [[r for r in p["rounds"] if r["committed"]] for p in honest]
     seq_len = summary["config"]["data"]["seq_len"] if run["summary"] else 1
     rounds = min((len(c) for c in committed), default=0)
-    # the honest peers' own samples that entered a committed round (inner steps x batch), per round
-    samples = [sum(round(r["tokens_per_s"] * r["compute_s"] / seq_len) for c in committed for r in c) / rounds] \
-        if rounds else []
+    # the honest peers' own samples (inner steps x batch) per committed round, summed over the honest peers
+    samples = [sum(sum(round(r["tokens_per_s"] * r["compute_s"] / seq_len) for r in c) / len(c)
+                   for c in committed if c)] if rounds else []
     losses = [p["eval_loss"][-1] for p in honest if p["eval_loss"] and p["eval_loss"][-1] is not None]
     caught = sorted({f"{e['event']}: {e.get('what', '')}" for e in summary["events"]
                      if e.get("peer_id") in attacker_ids and e["event"] in ("offense", "banned", "ignored_claim")})

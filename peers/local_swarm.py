@@ -24,7 +24,7 @@ from typing import IO, Optional
 
 from swarm.config import Config
 from swarm.errors import SwarmError, UsageError
-from swarm.net.hostile import ATTACKS
+from swarm.net.attacks import ATTACKS
 from swarm.report import format_table, write_summary
 
 BOOTSTRAP_TIMEOUT_S = 60.0  # the bootstrap prints its multiaddrs within seconds; past this it is broken

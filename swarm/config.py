@@ -20,7 +20,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-from swarm.net.hostile import ATTACKS
+from swarm.net.attacks import ATTACKS
 
 
 class ConfigError(ValueError):

@@ -31,33 +31,36 @@ import asyncio
 import concurrent.futures
 import logging
 import math
+from collections import Counter
 from typing import Callable, Optional, Sequence
 
 import torch
 from hivemind.p2p import P2P, PeerID
 
 from swarm.net import audit
+from swarm.net.access import Access
 from swarm.net.budget import transfer_deadline
 from swarm.net.codec import CodecError
 from swarm.net.groupstate import AllReduceFailed, Contribution, GroupState, check_weights, together
+from swarm.net.hostile import Hooks
 from swarm.net.layout import Chunk, WireLayout, gather, scatter
 from swarm.net.repair import repair, serve_repair
 from swarm.net.robust import Rule, reduce_chunk
+from swarm.net.slots import GroupSlots
 from swarm.net.wire import Channel, Kind, PeerFailed, ProtocolError, Traffic, WireError, serve
 from swarm.tensors import all_finite
 
 logger = logging.getLogger(__name__)
 
-MAX_PENDING_GROUPS = 16  # unknown group ids waited for at once; more are refused
-
-
-class AllReduce:
+class AllReduce(GroupSlots):
     """Runs all-reduces among groups formed elsewhere; one instance per peer, stream handlers under `name`."""
 
     def __init__(self, p2p: P2P, name: str, stall: float, min_bandwidth: float,
-                 pool: concurrent.futures.Executor, rule: Optional[Rule] = None):
+                 pool: concurrent.futures.Executor, rule: Optional[Rule] = None, access: Optional[Access] = None,
+                 hooks: Optional[Hooks] = None):
         self.p2p, self.name, self.stall, self.min_bandwidth, self.pool = p2p, name, stall, min_bandwidth, pool
-        self.rule = rule or Rule()
+        self.rule, self.access, self.hooks = rule or Rule(), access or Access(), hooks or Hooks()
+        self._opened: Counter[PeerID] = Counter()  # unknown groups each peer is waiting for here
         # fault injection from outside (tests, `faults.kill_phase`): after a part was pushed; on each encoded
         # average our part's owner sends ((group, chunk index, bytes) -> the bytes sent instead)
         self.on_pushed: Optional[Callable[[], None]] = None
@@ -81,11 +84,6 @@ class AllReduce:
         chunk = layout.codec.wire_bytes(layout.chunk_elements)
         extra = audit.audit_bytes(layout.members, chunk) if self.rule.verify else 0
         return transfer_deadline(layout.member_wire_bytes(me) + extra, self.stall, self.min_bandwidth)
-
-    def held(self, group_id: object) -> Optional[GroupState]:
-        """The group `group_id` if it runs (or lingers) here."""
-        slot = self._groups.get(group_id) if isinstance(group_id, bytes) else None
-        return slot.result() if slot is not None and slot.done() and slot.exception() is None else None
 
     def _cpu(self, fn, *args):
         return asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -159,7 +157,7 @@ class AllReduce:
         if not all_finite(values):
             raise AllReduceFailed("our own pseudo-gradient is not finite: not sent")
         codec = group.layout.codec_of(chunk)
-        payload = codec.encode(values)
+        payload = codec.encode(self.hooks.contribution(values))
         if group.mine.residual is not None and codec.lossy:
             scatter(group.mine.residual, chunk, values - codec.decode(payload, chunk.numel))
         return payload
@@ -222,7 +220,7 @@ class AllReduce:
 
     def _reduce(self, group: GroupState, chunk: Chunk, contributions: list[torch.Tensor]) -> bytes:
         codec = group.layout.codec_of(chunk)
-        average = reduce_chunk(contributions, group.shares, group.rule)
+        average = self.hooks.average(reduce_chunk(contributions, group.shares, group.rule))
         if not all_finite(average):
             raise AllReduceFailed(f"part {group.me}: the average is not finite")
         payload = codec.encode(average)
@@ -251,31 +249,10 @@ class AllReduce:
             group.have[group.me] += 1
             await group.notify()
 
-    async def abandon(self, group_id: bytes, members: Sequence[PeerID], reason: str) -> None:
-        """Tell `members` that we will not take part in `group_id` (they drop it at once, not after a stall)."""
-        async def tell(peer: PeerID) -> None:
-            try:
-                channel = await Channel.open(self.p2p, peer, self.name, self.stall)
-                await channel.send_control(Kind.HELLO, {"group": group_id, "abandon": reason[:300]})
-                channel.close()
-            except WireError as e:
-                logger.debug(f"all-reduce: could not tell {peer} that we left group {group_id.hex()[:8]}: {e}")
-        await asyncio.gather(*[tell(p) for p in members if p != self.p2p.peer_id])
-
-    def _left(self, group_id: object, peer: PeerID, reason: object) -> None:
-        """A member left a group (its matchmaking barrier failed): fail the group if it is ours, or remember
-        it for `stall` s in case we have yet to run it."""
-        if not isinstance(group_id, bytes):
-            return
-        group = self.held(group_id)
-        if group is not None and peer in group.members:
-            asyncio.ensure_future(group.fail(f"{peer} left the group: {str(reason)[:300]}"))
-        elif group is None and len(self._abandoned) < MAX_PENDING_GROUPS:
-            self._abandoned[group_id] = (peer, str(reason)[:300])
-            asyncio.get_running_loop().call_later(self.stall, self._abandoned.pop, group_id, None)
-
     async def _serve_contributions(self, channel: Channel) -> None:
         """One member's stream to us, the owner of our part: its chunks in, our part's averages out."""
+        if not self.access.admits(channel.peer):
+            return await channel.fail(self.access.refusal(channel.peer))
         try:
             hello = await channel.recv_control()
         except ProtocolError as e:  # no honest peer sends that: name it in the groups that wait for it
@@ -357,36 +334,6 @@ class AllReduce:
         finally:
             group.delivered[i] = math.inf
             await group.notify()
-
-    def _forget(self, group_id: bytes, why: AllReduceFailed) -> None:
-        """Drop a group (its tensors with it); for `stall` s more, streams naming it get `why` at once."""
-        gone = asyncio.get_running_loop().create_future()
-        gone.set_exception(why)
-        gone.exception()  # retrieved: nobody awaiting it is not an error
-        self._groups[group_id] = gone
-        asyncio.get_running_loop().call_later(self.stall, lambda: self._groups.get(group_id) is gone
-                                              and self._groups.pop(group_id))
-
-    async def _wait_group(self, group_id: object, channel: Channel) -> Optional[GroupState]:
-        """The group a stream names; a member may push before we left matchmaking, so wait up to `stall`."""
-        if not isinstance(group_id, bytes):
-            await channel.fail("malformed group id")
-            return None
-        slot = self._groups.get(group_id)
-        if slot is None:
-            if sum(not f.done() for f in self._groups.values()) >= MAX_PENDING_GROUPS:
-                await channel.fail("too many unknown groups pending")
-                return None
-            slot = self._groups[group_id] = asyncio.get_running_loop().create_future()
-        try:
-            return await asyncio.wait_for(asyncio.shield(slot), self.stall)
-        except TimeoutError:
-            if self._groups.get(group_id) is slot and not slot.done():
-                del self._groups[group_id]
-            await channel.fail(f"group {group_id.hex()[:8]} never started here")
-        except AllReduceFailed as e:
-            await channel.fail(str(e))
-        return None
 
     async def drain(self) -> int:
         """Wait until every complete group has been left by its groupmates (each at most `stall` s); return

@@ -13,26 +13,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Optional
+from typing import Callable
 
 import torch
+from hivemind.p2p import P2P, PeerID
+
+from swarm.net.attacks import ATTACKS
+from swarm.net.wire import Channel, Kind
 
 logger = logging.getLogger(__name__)
 
-ATTACKS = {
-    "forge-progress": "its progress record claims it finished every round at once (ready), and every other "
-                      "heartbeat a far-future round it serves the state of (policy.plausible, majority ready)",
-    "nan": "sends NaN in its pseudo-gradient (owners refuse the part and name it)",
-    "huge": "sends its pseudo-gradient times 1e6, finite (swarm.clip_norm_ratio, robust aggregation)",
-    "weight": "claims 1e30 samples as its weight (swarm.max_weight_share)",
-    "bad-part": "returns a wrong average for the part it owns (swarm.verify_parts)",
-    "garbage-meta": "sends matchmaking metadata that does not fit (matchmaking.GroupMeta, then a ban)",
-    "poison-state": "serves a state with the right shapes and wrong values under the committed hash (the "
-                    "newcomer hashes what it downloads)",
-    "flood": "opens all-reduce streams for groups it is not in, as many as it can (allreduce: per-peer cap "
-             "on pending groups)",
-}
 FORGED_ROUND = 2**40
+CLAIMED_SAMPLES = 10**18
+FLOOD_STREAMS = 32
 
 
 class Hooks:
@@ -59,9 +52,8 @@ class Hooks:
         """Bytes of a state tensor we serve to a newcomer."""
         return data
 
-    def start(self, flood) -> Optional[asyncio.Task]:
-        """Called once on the network loop with `flood(group_id)`, a coroutine opening one stream."""
-        return None
+    async def run(self, p2p: P2P, handler: str, others: Callable[[], list[str]]) -> None:
+        """Runs on the network loop for the peer's lifetime; `others()` (blocking) lists the other peers."""
 
 
 class Attacker(Hooks):
@@ -81,10 +73,12 @@ class Attacker(Hooks):
         return dict(forged, round=FORGED_ROUND) if self._beats % 2 == 0 else forged
 
     def meta(self, meta: dict) -> dict:
-        return dict(meta, samples="lots", base=["not", "a", "hash"]) if "garbage-meta" in self.kinds else meta
+        if "garbage-meta" in self.kinds:
+            return dict(meta, samples="lots", base=["not", "a", "hash"])
+        return dict(meta, samples=CLAIMED_SAMPLES) if "weight" in self.kinds else meta
 
     def weight(self, weight: float) -> float:
-        return 1e30 if "weight" in self.kinds else weight
+        return float(CLAIMED_SAMPLES) if "weight" in self.kinds else weight
 
     def contribution(self, values: torch.Tensor) -> torch.Tensor:
         if "nan" in self.kinds:
@@ -101,15 +95,24 @@ class Attacker(Hooks):
             return data
         return bytes(b ^ 0x01 for b in data)  # same shapes and dtypes, other values
 
-    def start(self, flood) -> Optional[asyncio.Task]:
+    async def run(self, p2p: P2P, handler: str, others: Callable[[], list[str]]) -> None:
+        """flood: every second, open FLOOD_STREAMS all-reduce streams to every other peer, each naming a
+        made-up group, and hold them open (an owner waits `stall` s for a group it does not know yet)."""
         if "flood" not in self.kinds:
-            return None
+            return
+        held: list[Channel] = []
 
-        async def keep_flooding() -> None:
-            while True:
-                await asyncio.gather(*[flood(os.urandom(16)) for _ in range(32)], return_exceptions=True)
-                await asyncio.sleep(0.5)
-        return asyncio.ensure_future(keep_flooding())
+        async def open_one(peer: PeerID) -> None:
+            channel = await Channel.open(p2p, peer, handler, 5.0)
+            await channel.send_control(Kind.HELLO, {"group": os.urandom(16), "weight": 1.0})
+            held.append(channel)
+        while True:
+            targets = await asyncio.get_running_loop().run_in_executor(None, others)
+            await asyncio.gather(*[open_one(PeerID.from_base58(p)) for p in targets for _ in range(FLOOD_STREAMS)],
+                                 return_exceptions=True)
+            while len(held) > 4 * FLOOD_STREAMS * max(1, len(targets)):
+                held.pop(0).close()
+            await asyncio.sleep(1.0)
 
 
 def hooks_for(kinds: list[str]) -> Hooks:

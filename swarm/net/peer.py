@@ -10,8 +10,7 @@ calls in with bounded waits:
   trainer's buffers. A failed attempt is retried with whoever is still alive until the round's deadline
   (`budget.round_deadline`, from the vector's bytes), after which the round is discarded (averaged=None),
   never half-averaged. A peer that meets nobody and that the records show alone applies its own step.
-- `publish_progress()`: a `ProgressRecord` under `{run_id}_progress` (with the trainer's last `PeerStats`, for
-  watchers); a heartbeat re-stores it every `cfg.progress_interval`: a record that stopped changing is a dead peer's.
+- `publish_progress()`, `others_ready()`: this peer's signed progress record and the others' (records.py).
 - `offer_state()`: serve this snapshot to newcomers and record the commit (`{run_id}_commits`).
 - `fetch_state()`: take the swarm's state from the donors the policy names, verified against the hash the
   swarm committed; SwarmError if the swarm is ahead and no donor can give it within the live window plus
@@ -23,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 import os
 import random
@@ -53,6 +51,7 @@ from swarm.net.hostile import hooks_for
 from swarm.net.identity import Identity
 from swarm.net.layout import WireLayout
 from swarm.net.matchmaking import Matchmaker, NoGroup
+from swarm.net.records import Records
 from swarm.net.robust import Rule
 from swarm.net.statesync import StateForged, StateRefused, StateServer, download
 from swarm.net.wire import WireError
@@ -66,7 +65,7 @@ def _die_now() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-class SwarmAverager(Averager):
+class SwarmAverager(Records, Averager):
     networked = True
 
     def __init__(self, cfg: SwarmConfig, dht: hivemind.DHT, identity: Identity, fingerprint: str, peer_name: str,
@@ -98,11 +97,13 @@ class SwarmAverager(Averager):
             self._p2p = self._call(dht.replicate_p2p(), cfg.bootstrap_timeout)
             name = lambda what: schema.handler_name(cfg.run_id, fingerprint, what)  # noqa: E731
             self._allreduce = AllReduce(self._p2p, name("ar"), cfg.stall_timeout, cfg.min_bandwidth, self._pool,
-                                        Rule.of(cfg))
+                                        Rule.of(cfg), self.access, self.hooks)
             self._server = StateServer(self._p2p, name("state"), cfg.stall_timeout, self._pool, self.access,
                                        self.hooks)
             self._state_handler = name("state")
             self._call(self._start_handlers(), cfg.bootstrap_timeout)
+            others = lambda: [r.peer_id for r in self.peers() if r.peer_id != self.peer_id]  # noqa: E731
+            asyncio.run_coroutine_threadsafe(self.hooks.run(self._p2p, name("ar"), others), self._loop)
         except BaseException:
             self.close()
             raise
@@ -202,72 +203,6 @@ class SwarmAverager(Averager):
     def _abandon(self, group_id: bytes, members: list, reason: str) -> None:
         """Tell `members` that we leave `group_id`, so that they do not wait for us."""
         asyncio.run_coroutine_threadsafe(self._allreduce.abandon(group_id, members, reason), self._loop)
-
-    # ---- progress and position ------------------------------------------------------------------------
-
-    def publish_progress(self, round: int, inner_step: int, samples: int, samples_per_s: float,
-                         ready: bool = False, sha256: str = "", stats: Optional[PeerStats] = None) -> None:
-        self._stats = stats or self._stats
-        self._last_progress = (round, inner_step, samples, samples_per_s, ready, sha256)
-        self._store_progress(warn=True)
-
-    def _store_progress(self, warn: bool) -> None:
-        with self._dht_lock:  # read, stamp and send in one go: a later store always carries later content
-            round, inner_step, samples, samples_per_s, ready, sha256 = self._last_progress
-            now = get_dht_time()
-            record = schema.ProgressRecord(
-                peer_id=self.peer_id, name=self.peer_name, round=round, inner_step=inner_step, samples=samples,
-                samples_per_s=float(samples_per_s), time=float(now), serves_state=self._server.snapshot is not None,
-                ready=ready, sha256=sha256, **schema.watched(**dataclasses.asdict(self._stats)))
-            self._published = record
-            future = self.dht.store(schema.progress_key(self.cfg.run_id), self.hooks.progress(record.dict()),
-                                    subkey=self._owner,
-                                    expiration_time=now + self.cfg.progress_expiration, return_future=True)
-        try:
-            if not future.result(timeout=self.cfg.request_timeout) and warn:
-                logger.warning("progress record was not stored (no DHT peer accepted it)")
-        except concurrent.futures.TimeoutError:
-            if warn:
-                logger.warning(f"progress record not confirmed within {self.cfg.request_timeout:g} s")
-
-    def _heartbeat(self) -> None:
-        """Re-store our record every progress_interval whatever the trainer does (eval, a checkpoint, a long
-        all-reduce): a live peer's record stays fresh, so one older than the live window is a dead peer's."""
-        while not self._stopping.wait(self.cfg.progress_interval):
-            if self._last_progress is not None:
-                self._store_progress(warn=False)
-
-    def _read(self, key: str, model: type) -> dict[str, object]:
-        """This run's records under `key` by their signers' peer ids (schema.read_owned)."""
-        with self._dht_lock:
-            future = self.dht.get(key, latest=True, return_future=True)
-        return schema.read_owned(future.result(), model, get_dht_time())
-
-    def peers(self) -> list[schema.ProgressRecord]:
-        """Progress records of this run (ours included, as we made it), each signed by the peer it describes."""
-        records = self._read(schema.progress_key(self.cfg.run_id), schema.ProgressRecord)
-        if self.peer_id in records and self._published is not None:
-            records[self.peer_id] = self._published
-        return list(records.values())
-
-    def _assess(self, round: int, sha256: str, commits: bool = True) -> policy.Position:
-        records = self._read(schema.commits_key(self.cfg.run_id), schema.CommitRecord) if commits else {}
-        position = policy.assess(self.peer_id, round, sha256, self.peers(), records, get_dht_time(),
-                                 live_window(self.cfg))
-        for peer in position.ignored:
-            self.access.note("ignored_claim", peer, "claims a round more than one past the swarm's majority")
-        return position
-
-    def others_ready(self, round: int) -> bool:
-        """Asked after every inner step; reads the DHT at most once per `progress_interval` (a fresh answer
-        is no fresher than the progress records it reads)."""
-        seen_round, asked, answer = self._ready_seen
-        if seen_round == round and time.monotonic() - asked < self.cfg.progress_interval:
-            return answer
-        sha = self._last_progress[5] if self._last_progress else ""
-        answer = self._assess(round, sha, commits=False).others_ready
-        self._ready_seen = (round, time.monotonic(), answer)
-        return answer
 
     # ---- state ----------------------------------------------------------------------------------------
 

@@ -100,8 +100,10 @@ def winner(counts: Counter) -> Optional[str]:
 def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
            commits: Mapping[str, CommitRecord], now: float, window: float) -> Position:
     claimed = {r.peer_id for r in progress} | set(commits)
+    live_ids = {r.peer_id for r in progress if is_live(r, now, window)}
     progress, commits = plausible(me, progress, commits, now, window)
     ignored = tuple(sorted(claimed - {r.peer_id for r in progress} - set(commits)))
+    unsure = len(live_ids & set(ignored))  # live, at some round it does not tell: it may join our group
     live = [r for r in progress if is_live(r, now, window)]
     tally = votes(progress, commits, now, window)
     swarm_round = max([round, *tally])
@@ -117,7 +119,7 @@ def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
         return Position(Verdict.BEHIND, swarm_round, swarm_sha, None, tuple(r.peer_id for r in ahead),
                         note=f"behind: the swarm committed round {swarm_round}, we hold round {round}",
                         ignored=ignored)
-    expected = sum(1 for r in live if r.round in (round - 1, round))
+    expected = sum(1 for r in live if r.round in (round - 1, round)) + unsure
     here = Counter(r.sha256 for r in others if r.round == round and r.sha256) + Counter({sha256: 1})
     majority = winner(here)
     if majority != sha256:

@@ -46,6 +46,8 @@ async def repair(ar: AllReduce, group: GroupState, j: int, lost: Exception) -> N
 
 async def serve_repair(ar: AllReduce, channel: Channel) -> None:
     """Send part j of a complete group's average, in fp32, to a groupmate that lost j's owner."""
+    if not ar.access.admits(channel.peer):
+        return await channel.fail(ar.access.refusal(channel.peer))
     hello = await channel.recv_control()
     group = ar.held(hello.get("group"))
     j, start = hello.get("part"), hello.get("start")

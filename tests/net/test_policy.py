@@ -108,3 +108,11 @@ def test_one_peer_claiming_readiness_does_not_cut_the_round_short():
     assert not assess(ME, 3, A, [me, *mates, progress("evil", 3, ready=True)], {}, NOW, WINDOW).others_ready
     ready = [progress("p", 3, ready=True), progress("q", 3)]
     assert assess(ME, 3, A, [me, *ready, progress("evil", 3, ready=True)], {}, NOW, WINDOW).others_ready
+
+
+def test_a_live_peer_with_an_implausible_claim_still_counts_for_the_group_size():
+    """It may be at our round and join our group (a forger flapping between rounds does): the leader waits
+    for it rather than closing the group without an honest peer."""
+    me, mates = progress(ME, 3), [progress("p", 3), progress("q", 2)]
+    position = assess(ME, 3, A, [me, *mates, progress("evil", FORGED, C)], {}, NOW, WINDOW)
+    assert position.expected_group == 4 and position.ignored == ("evil",)

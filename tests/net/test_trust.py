@@ -3,7 +3,7 @@
 import time
 
 import pytest
-from conftest import fast_cfg
+from conftest import fast_cfg, three_dhts
 from hivemind.utils.timed_storage import get_dht_time
 
 from swarm.errors import SwarmError, UsageError
@@ -110,3 +110,79 @@ def test_identity_files_bad_input(tmp_path):
     me = load_identity(str(tmp_path / "me.key"))
     assert owner_peer_id(me.owner) == str(me.peer_id) == str(load_identity(str(tmp_path / "me.key")).peer_id)
     assert owner_peer_id(b"[owner:ssh-rsa garbage]") is None and owner_peer_id("text") is None
+
+
+@pytest.mark.timeout(90)
+def test_a_private_swarm_refuses_a_strangers_averaging_streams():
+    """A stranger opening an all-reduce stream (or a flood of them) to an allowlisted peer is failed at once;
+    a member of the allowlist is served."""
+    import asyncio
+    import concurrent.futures
+
+    from swarm.net.access import Access
+    from swarm.net.allreduce import AllReduce
+    from swarm.net.wire import Channel, Kind, PeerFailed
+
+    with three_dhts() as (owner_dht, member_dht, stranger_dht):
+        async def main():
+            p2ps = [await d.replicate_p2p() for d in (owner_dht, member_dht, stranger_dht)]
+            pool = concurrent.futures.ThreadPoolExecutor(1)
+            service = AllReduce(p2ps[0], "ar", 2.0, 1e6, pool, access=Access(frozenset({str(p2ps[1].peer_id)})))
+            await service.start()
+            try:
+                async def hello(p2p) -> str:
+                    channel = await Channel.open(p2p, p2ps[0].peer_id, "ar", 10.0)
+                    try:
+                        await channel.send_control(Kind.HELLO, {"group": b"g" * 16, "weight": 1.0})
+                        await channel.recv(4096)
+                        return "served"
+                    except PeerFailed as e:
+                        return str(e)
+                    finally:
+                        channel.close()
+                stranger, member = await asyncio.gather(hello(p2ps[2]), hello(p2ps[1]))
+                assert "not in this run's allowlist" in stranger
+                assert "never started here" in member  # admitted: it waited for the group (which never came)
+            finally:
+                await service.stop()
+                for p2p in p2ps:
+                    await p2p.shutdown()
+                pool.shutdown()
+        asyncio.run(main())
+
+
+@pytest.mark.timeout(90)
+def test_one_peer_cannot_fill_the_pending_groups_of_another():
+    """A flood of streams naming made-up groups from one peer takes at most MAX_PENDING_PER_PEER slots."""
+    import asyncio
+    import concurrent.futures
+
+    from swarm.net import slots
+    from swarm.net.allreduce import AllReduce
+    from swarm.net.wire import Channel, Kind, PeerFailed
+
+    with three_dhts() as (owner_dht, flooder_dht, _):
+        async def main():
+            p2ps = [await d.replicate_p2p() for d in (owner_dht, flooder_dht)]
+            pool = concurrent.futures.ThreadPoolExecutor(1)
+            service = AllReduce(p2ps[0], "ar", 3.0, 1e6, pool)
+            await service.start()
+            try:
+                async def hello(i: int) -> str:
+                    channel = await Channel.open(p2ps[1], p2ps[0].peer_id, "ar", 10.0)
+                    try:
+                        await channel.send_control(Kind.HELLO, {"group": bytes([i]) * 16, "weight": 1.0})
+                        await channel.recv(4096)
+                        return "served"
+                    except PeerFailed as e:
+                        return str(e)
+                    finally:
+                        channel.close()
+                answers = await asyncio.gather(*[hello(i) for i in range(8)])
+                assert sum("too many unknown groups pending" in a for a in answers) == 8 - slots.MAX_PENDING_PER_PEER
+            finally:
+                await service.stop()
+                for p2p in p2ps:
+                    await p2p.shutdown()
+                pool.shutdown()
+        asyncio.run(main())

@@ -1,0 +1,98 @@
+"""The groups one peer runs or waits for, by group id: the part of `AllReduce` that strangers reach first.
+
+A groupmate may push to us before we have left matchmaking, so a stream naming an unknown group waits for
+it up to `stall` s; at most MAX_PENDING_GROUPS such waits at once, and MAX_PENDING_PER_PEER per peer, so
+that one peer opening streams for made-up groups (a flood) leaves room for every other groupmate. A
+finished or failed group is remembered `stall` s more, so late streams naming it get its fate at once; a
+member that leaves a group before running it (`abandon`) is remembered as long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from typing import Optional, Sequence
+
+from hivemind.p2p import P2P, PeerID
+
+from swarm.net.groupstate import AllReduceFailed, GroupState
+from swarm.net.wire import Channel, Kind, WireError
+
+logger = logging.getLogger(__name__)
+
+MAX_PENDING_GROUPS = 16  # unknown group ids waited for at once; more are refused
+MAX_PENDING_PER_PEER = 2  # of those, opened by one peer: a flood from one peer leaves room for the others
+
+
+class GroupSlots:
+    p2p: P2P
+    name: str
+    stall: float
+    _groups: dict[bytes, asyncio.Future[GroupState]]
+    _abandoned: dict[bytes, tuple[PeerID, str]]
+    _opened: Counter[PeerID]
+
+    def held(self, group_id: object) -> Optional[GroupState]:
+        """The group `group_id` if it runs (or lingers) here."""
+        slot = self._groups.get(group_id) if isinstance(group_id, bytes) else None
+        return slot.result() if slot is not None and slot.done() and slot.exception() is None else None
+
+    async def abandon(self, group_id: bytes, members: Sequence[PeerID], reason: str) -> None:
+        """Tell `members` that we will not take part in `group_id` (they drop it at once, not after a stall)."""
+        async def tell(peer: PeerID) -> None:
+            try:
+                channel = await Channel.open(self.p2p, peer, self.name, self.stall)
+                await channel.send_control(Kind.HELLO, {"group": group_id, "abandon": reason[:300]})
+                channel.close()
+            except WireError as e:
+                logger.debug(f"all-reduce: could not tell {peer} that we left group {group_id.hex()[:8]}: {e}")
+        await asyncio.gather(*[tell(p) for p in members if p != self.p2p.peer_id])
+
+    def _left(self, group_id: object, peer: PeerID, reason: object) -> None:
+        """A member left a group (its matchmaking barrier failed): fail the group if it is ours, or remember
+        it for `stall` s in case we have yet to run it."""
+        if not isinstance(group_id, bytes):
+            return
+        group = self.held(group_id)
+        if group is not None and peer in group.members:
+            asyncio.ensure_future(group.fail(f"{peer} left the group: {str(reason)[:300]}"))
+        elif group is None and len(self._abandoned) < MAX_PENDING_GROUPS:
+            self._abandoned[group_id] = (peer, str(reason)[:300])
+            asyncio.get_running_loop().call_later(self.stall, self._abandoned.pop, group_id, None)
+
+    def _forget(self, group_id: bytes, why: AllReduceFailed) -> None:
+        """Drop a group (its tensors with it); for `stall` s more, streams naming it get `why` at once."""
+        gone = asyncio.get_running_loop().create_future()
+        gone.set_exception(why)
+        gone.exception()  # retrieved: nobody awaiting it is not an error
+        self._groups[group_id] = gone
+        asyncio.get_running_loop().call_later(self.stall, lambda: self._groups.get(group_id) is gone
+                                              and self._groups.pop(group_id))
+
+    async def _wait_group(self, group_id: object, channel: Channel) -> Optional[GroupState]:
+        """The group a stream names; a member may push before we left matchmaking, so wait up to `stall`."""
+        if not isinstance(group_id, bytes):
+            await channel.fail("malformed group id")
+            return None
+        slot = self._groups.get(group_id)
+        if slot is None:
+            if (sum(not f.done() for f in self._groups.values()) >= MAX_PENDING_GROUPS
+                    or self._opened[channel.peer] >= MAX_PENDING_PER_PEER):
+                await channel.fail("too many unknown groups pending")
+                return None
+            slot = self._groups[group_id] = asyncio.get_running_loop().create_future()
+        self._opened[channel.peer] += 1
+        try:
+            return await asyncio.wait_for(asyncio.shield(slot), self.stall)
+        except TimeoutError:
+            if self._groups.get(group_id) is slot and not slot.done():
+                del self._groups[group_id]
+            await channel.fail(f"group {group_id.hex()[:8]} never started here")
+        except AllReduceFailed as e:
+            await channel.fail(str(e))
+        finally:
+            self._opened[channel.peer] -= 1
+            if not self._opened[channel.peer]:
+                del self._opened[channel.peer]
+        return None
