@@ -112,77 +112,69 @@ def test_identity_files_bad_input(tmp_path):
     assert owner_peer_id(b"[owner:ssh-rsa garbage]") is None and owner_peer_id("text") is None
 
 
-@pytest.mark.timeout(90)
-def test_a_private_swarm_refuses_a_strangers_averaging_streams():
-    """A stranger opening an all-reduce stream (or a flood of them) to an allowlisted peer is failed at once;
-    a member of the allowlist is served."""
+async def _hello(p2p, owner, group_id: bytes) -> str:
+    """Open an all-reduce stream to `owner` naming `group_id`; what it answers (a FAIL's reason)."""
+    from swarm.net.wire import Channel, Kind, PeerFailed
+
+    channel = await Channel.open(p2p, owner, "ar", 10.0)
+    try:
+        await channel.send_control(Kind.HELLO, {"group": group_id, "weight": 1.0})
+        await channel.recv(4096)
+        return "served"
+    except PeerFailed as e:
+        return str(e)
+    finally:
+        channel.close()
+
+
+def _with_owner(dhts, stall: float, access, check) -> None:
+    """An AllReduce service on dhts[0] (with `access`), and `check(p2ps)` run against it."""
     import asyncio
     import concurrent.futures
 
-    from swarm.net.access import Access
     from swarm.net.allreduce import AllReduce
-    from swarm.net.wire import Channel, Kind, PeerFailed
 
-    with three_dhts() as (owner_dht, member_dht, stranger_dht):
-        async def main():
-            p2ps = [await d.replicate_p2p() for d in (owner_dht, member_dht, stranger_dht)]
-            pool = concurrent.futures.ThreadPoolExecutor(1)
-            service = AllReduce(p2ps[0], "ar", 2.0, 1e6, pool, access=Access(frozenset({str(p2ps[1].peer_id)})))
-            await service.start()
-            try:
-                async def hello(p2p) -> str:
-                    channel = await Channel.open(p2p, p2ps[0].peer_id, "ar", 10.0)
-                    try:
-                        await channel.send_control(Kind.HELLO, {"group": b"g" * 16, "weight": 1.0})
-                        await channel.recv(4096)
-                        return "served"
-                    except PeerFailed as e:
-                        return str(e)
-                    finally:
-                        channel.close()
-                stranger, member = await asyncio.gather(hello(p2ps[2]), hello(p2ps[1]))
-                assert "not in this run's allowlist" in stranger
-                assert "never started here" in member  # admitted: it waited for the group (which never came)
-            finally:
-                await service.stop()
-                for p2p in p2ps:
-                    await p2p.shutdown()
-                pool.shutdown()
-        asyncio.run(main())
+    async def main():
+        p2ps = [await d.replicate_p2p() for d in dhts]
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        service = AllReduce(p2ps[0], "ar", stall, 1e6, pool, access=access)
+        await service.start()
+        try:
+            await check(p2ps)
+        finally:
+            await service.stop()
+            for p2p in p2ps:
+                await p2p.shutdown()
+            pool.shutdown()
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(90)
+def test_a_private_swarm_refuses_a_strangers_averaging_streams():
+    """A stranger opening an all-reduce stream to an allowlisted peer is failed at once; a member of the
+    allowlist is served (it waits for the group, which never comes here)."""
+    import asyncio
+
+    from swarm.net.access import Access
+
+    async def check(p2ps):
+        owner = p2ps[0].peer_id
+        stranger, member = await asyncio.gather(_hello(p2ps[2], owner, b"g" * 16), _hello(p2ps[1], owner, b"g" * 16))
+        assert "not in this run's allowlist" in stranger
+        assert "never started here" in member
+    with three_dhts() as dhts:
+        _with_owner(dhts, 2.0, Access(frozenset({str(dhts[1].peer_id)})), check)
 
 
 @pytest.mark.timeout(90)
 def test_one_peer_cannot_fill_the_pending_groups_of_another():
     """A flood of streams naming made-up groups from one peer takes at most MAX_PENDING_PER_PEER slots."""
     import asyncio
-    import concurrent.futures
 
     from swarm.net import slots
-    from swarm.net.allreduce import AllReduce
-    from swarm.net.wire import Channel, Kind, PeerFailed
 
-    with three_dhts() as (owner_dht, flooder_dht, _):
-        async def main():
-            p2ps = [await d.replicate_p2p() for d in (owner_dht, flooder_dht)]
-            pool = concurrent.futures.ThreadPoolExecutor(1)
-            service = AllReduce(p2ps[0], "ar", 3.0, 1e6, pool)
-            await service.start()
-            try:
-                async def hello(i: int) -> str:
-                    channel = await Channel.open(p2ps[1], p2ps[0].peer_id, "ar", 10.0)
-                    try:
-                        await channel.send_control(Kind.HELLO, {"group": bytes([i]) * 16, "weight": 1.0})
-                        await channel.recv(4096)
-                        return "served"
-                    except PeerFailed as e:
-                        return str(e)
-                    finally:
-                        channel.close()
-                answers = await asyncio.gather(*[hello(i) for i in range(8)])
-                assert sum("too many unknown groups pending" in a for a in answers) == 8 - slots.MAX_PENDING_PER_PEER
-            finally:
-                await service.stop()
-                for p2p in p2ps:
-                    await p2p.shutdown()
-                pool.shutdown()
-        asyncio.run(main())
+    async def check(p2ps):
+        answers = await asyncio.gather(*[_hello(p2ps[1], p2ps[0].peer_id, bytes([i]) * 16) for i in range(8)])
+        assert sum("too many unknown groups pending" in a for a in answers) == 8 - slots.MAX_PENDING_PER_PEER
+    with three_dhts() as dhts:
+        _with_owner(dhts[:2], 3.0, None, check)
