@@ -5,7 +5,7 @@ The job names the config overrides, the vector (seeded), the round and a mode:
 - "nan": a hostile peer that skips the local finiteness check and sends a NaN;
 - "victim": pushes its chunks to one owner only, tells the test (marker file) and waits to be SIGKILLed;
 - "slow_fetch": takes the averaged parts 2 s late, when fast groupmates may already be leaving;
-- "huge": sends 1e6 times its vector; "heavy": claims a weight (samples) of 1e30 in matchmaking and HELLO;
+- "huge": sends 1e6 times its vector; "heavy": claims a weight (samples) of 1e18 in matchmaking and HELLO;
 - "wrong_owner": adds 1.0 to every average it returns as a part's owner (fp32 codec), through the
   all-reduce's `on_result` fault hook.
 The result goes to `out` (torch.save); `ready` marks that the peer is up, and it starts averaging when
@@ -27,6 +27,7 @@ from swarm.diloco import PseudoGradient
 from swarm.net import allreduce
 from swarm.net.codec import get_codec
 from swarm.net.dht import start_dht
+from swarm.net.hostile import Attacker
 from swarm.net.identity import load_identity
 from swarm.net.peer import SwarmAverager
 
@@ -73,16 +74,12 @@ def main(job: dict) -> None:
             codec = get_codec("none")
             averager._allreduce.on_result = lambda group, k, payload: codec.encode(
                 codec.decode(payload, len(payload) // 4) + 1.0)
-        if job["mode"] == "heavy":  # a meta and a weight no honest peer sends (ints that large do not pack)
-            form_group = averager._matchmaker.form_group
-            averager._matchmaker.form_group = lambda round, meta, **kw: form_group(round, dict(meta, samples=1e30),
-                                                                                 **kw)
+        if job["mode"] == "heavy":  # claims 1e18 samples in matchmaking and as its weight (hostile.py)
+            averager.hooks = Attacker(["weight"])
         run = averager._allreduce.run
         timings = []
 
         async def timed_run(*args):
-            if job["mode"] == "heavy":
-                args[3].weight = 1e30
             start = time.perf_counter()
             try:
                 return await run(*args)
