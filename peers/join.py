@@ -15,6 +15,7 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -71,7 +72,9 @@ def joined_config(run_id: str, initial_peers: list[str], overrides: list[str]) -
     parsed = check_overrides(run_id, overrides)
     _merge(parsed, {"swarm": {"initial_peers": list(initial_peers)}})
     own = load_config(None, {"swarm": parsed["swarm"]}).swarm  # addresses and bootstrap_timeout, checked
-    probe = dataclasses.replace(own, run_id=run_id, client_mode=True, identity=None)  # reads only: a fresh key
+    # The probe only reads: a fresh key, and any free port (the peer's DHT binds the chosen ones right after).
+    probe = dataclasses.replace(own, run_id=run_id, client_mode=True, identity=None, announce_maddrs=[],
+                                host_maddrs=[re.sub(r"/(tcp|udp)/\d+", r"/\1/0", m) for m in own.host_maddrs])
     dht = start_dht(probe)
     try:
         choice = fetch_manifest(dht, run_id, probe.initial_peers, probe.bootstrap_timeout)

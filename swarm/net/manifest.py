@@ -181,10 +181,10 @@ def publish(dht: hivemind.DHT, cfg: Config, identity: Identity, params: int) -> 
         logger.warning("run %r: the manifest read did not answer within %g s; not publishing it", s.run_id,
                        s.request_timeout)
         return
-    if run_fp != fingerprint:  # check_fingerprint lets no such peer start; another majority signed meanwhile
+    if run_fp not in (None, fingerprint):  # another majority signed since check_fingerprint let us in
         return
-    try:
-        choice: Optional[Choice] = choose_manifest(s.run_id, manifests, run_fp)
+    try:  # None: our own run record, signed a moment ago, has not reached the nodes we read
+        choice: Optional[Choice] = choose_manifest(s.run_id, manifests, fingerprint)
     except ManifestRefused:
         choice = None
     creator = None
