@@ -28,6 +28,7 @@ from typing import Optional
 
 import hivemind
 from hivemind.utils.timed_storage import get_dht_time
+from pydantic.v1 import BaseModel, ValidationError
 
 from swarm.config import PER_PEER_KEYS, Config, ConfigError, config_from_dict, is_per_peer
 from swarm.errors import SwarmError
@@ -168,6 +169,17 @@ def _store(dht: hivemind.DHT, key: str, value: dict, identity: Identity, timeout
         logger.warning("%s not confirmed within %g s", what, timeout)
 
 
+def _record(model: type[BaseModel], what: str, **fields) -> Optional[dict]:
+    """The record's value, or None with a warning when this run's config does not fit the schema (a config
+    over MAX_MANIFEST_BYTES, e.g. thousands of `swarm.allowed_peers`; a run id over 128 characters): the
+    peer trains on, its run just cannot be joined by name or listed."""
+    try:
+        return model(**fields).dict()
+    except ValidationError as e:
+        logger.warning("%s is not published: %s", what, "; ".join(err["msg"] for err in e.errors()))
+        return None
+
+
 def publish(dht: hivemind.DHT, cfg: Config, identity: Identity, params: int) -> None:
     """After this peer signed the run's fingerprint: store its copy of the run's manifest where the run has
     none, or fewer than MANIFEST_COPIES of the config this peer runs, and its index entry where the run has
@@ -194,10 +206,11 @@ def publish(dht: hivemind.DHT, cfg: Config, identity: Identity, params: int) -> 
           and len(choice.signers) < schema.MANIFEST_COPIES):
         creator = choice.record.creator
     if creator is not None:
-        record = ManifestRecord(config=shared, fingerprint=fingerprint, creator=creator, time=get_dht_time(),
-                                version=schema.MANIFEST_VERSION)
-        _store(dht, schema.manifest_key(s.run_id), record.dict(), identity, s.request_timeout,
-               f"the manifest of run {s.run_id!r}")
+        what = f"the manifest of run {s.run_id!r}"
+        record = _record(ManifestRecord, what, config=shared, fingerprint=fingerprint, creator=creator,
+                         time=get_dht_time(), version=schema.MANIFEST_VERSION)
+        if record is not None:
+            _store(dht, schema.manifest_key(s.run_id), record, identity, s.request_timeout, what)
     if s.auth != "open":
         return
     try:
@@ -208,8 +221,11 @@ def publish(dht: hivemind.DHT, cfg: Config, identity: Identity, params: int) -> 
         return
     ours = {p for p, e in index.get(s.run_id, {}).items() if e.fingerprint == fingerprint}
     if peer_id not in ours and len(ours) < schema.INDEX_COPIES:
-        entry = IndexRecord(run_id=s.run_id, fingerprint=fingerprint, params=params, time=get_dht_time())
-        _store(dht, schema.INDEX_KEY, entry.dict(), identity, s.request_timeout, f"the index entry of run {s.run_id!r}")
+        what = f"the index entry of run {s.run_id!r}"
+        entry = _record(IndexRecord, what, run_id=s.run_id, fingerprint=fingerprint, params=params,
+                        time=get_dht_time())
+        if entry is not None:
+            _store(dht, schema.INDEX_KEY, entry, identity, s.request_timeout, what)
 
 
 def read_index(dht: hivemind.DHT, timeout: float) -> dict[str, dict[str, IndexRecord]]:

@@ -51,3 +51,21 @@ def test_peers_store_copies_of_the_manifest_and_index_entry_and_nobody_forges_on
     finally:
         for dht in dhts.values():
             dht.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_private_run_is_not_advertised_and_an_oversized_manifest_is_not_published(bootstrap, caplog):
+    member = load_identity(None)
+    swarm = {"run_id": "private-run", "initial_peers": bootstrap, "bootstrap_timeout": 10.0, "auth": "allowlist"}
+    cfg = tiny_config(swarm={**swarm, "allowed_peers": [str(member.peer_id)]})
+    dht = start_dht(cfg.swarm, member, fingerprint=cfg.fingerprint())
+    try:
+        publish(dht, cfg, member, params=1)
+        assert set(read_manifests(dht, "private-run", 10.0)[1]) == {str(member.peer_id)}  # joinable by members
+        assert "private-run" not in read_index(dht, 10.0)  # but not advertised
+        big = tiny_config(swarm={**swarm, "run_id": "big-run", "allowed_peers": [str(member.peer_id)] * 400})
+        publish(dht, big, member, params=1)
+        assert "the manifest of run 'big-run' is not published: config is" in caplog.text
+        assert read_manifests(dht, "big-run", 10.0)[1] == {}
+    finally:
+        dht.shutdown()
