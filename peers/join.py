@@ -57,6 +57,8 @@ def _merge(into: dict, other: dict) -> dict:
 
 def check_overrides(run_id: str, overrides: list[str]) -> dict[str, Any]:
     """The overrides as nested dicts; UsageError (exit 2) naming the first one that is not a per-peer key."""
+    if any(arg == "--config" or arg.startswith("--config=") for arg in overrides):
+        raise UsageError(f"swarm join takes no --config: the config of run {run_id!r} comes from its manifest")
     parsed = parse_overrides(overrides)
     for key in _leaves(parsed):
         if not is_per_peer(key):

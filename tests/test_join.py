@@ -142,6 +142,8 @@ def test_join_overrides_only_per_peer_keys():
         "diloco": {"threads": 2}, "checkpoint": {"dir": "/x"}, "faults": {"hold_round": 1}}
     with pytest.raises(UsageError, match="cannot override model.hidden_size when joining run 'r': it is fixed by"):
         check_overrides("r", ["--diloco.threads", "2", "--model.hidden_size", "64"])
+    with pytest.raises(UsageError, match="swarm join takes no --config"):
+        check_overrides("r", ["--config", "configs/tiny.yaml"])
 
 
 def test_describe_run_takes_majorities():
