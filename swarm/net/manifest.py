@@ -139,6 +139,7 @@ def fetch_manifest(dht: hivemind.DHT, run_id: str, initial_peers: list[str], wai
     if none answers, ManifestRefused once two reads in a row find manifests and refuse them all."""
     deadline = time.monotonic() + wait
     refused: Optional[ManifestRefused] = None
+    hint = "is the run name right?"
     while True:
         try:
             fingerprint, manifests = read_manifests(dht, run_id, max(0.1, deadline - time.monotonic()))
@@ -148,13 +149,16 @@ def fetch_manifest(dht: hivemind.DHT, run_id: str, initial_peers: list[str], wai
                 if refused is not None:
                     raise e from None
                 refused = e
+            elif fingerprint is not None:
+                hint = (f"its peers signed fingerprint {fingerprint} but stored no manifest (a swarm without "
+                        f"`swarm join`?)")
         except concurrent.futures.TimeoutError:
             pass
         if time.monotonic() + READ_INTERVAL > deadline:
             if refused is not None:
                 raise refused from None
             raise SwarmError(f"no manifest of run {run_id!r} in the DHT of {', '.join(initial_peers)} within "
-                             f"{wait:g} s (swarm.bootstrap_timeout): is the run name right?")
+                             f"{wait:g} s (swarm.bootstrap_timeout): {hint}")
         time.sleep(READ_INTERVAL)
 
 

@@ -3,6 +3,7 @@
 import pytest
 from hivemind.utils.timed_storage import get_dht_time
 
+from swarm.errors import SwarmError
 from swarm.net import schema
 from swarm.net.dht import start_dht
 from swarm.net.identity import load_identity
@@ -67,5 +68,10 @@ def test_a_private_run_is_not_advertised_and_an_oversized_manifest_is_not_publis
         publish(dht, big, member, params=1)
         assert "the manifest of run 'big-run' is not published: config is" in caplog.text
         assert read_manifests(dht, "big-run", 10.0)[1] == {}
+        now = get_dht_time()  # a run whose peers signed a fingerprint but stored no manifest (an older swarm)
+        assert dht.store(schema.run_key("bare-run"), schema.RunRecord(fingerprint="abc", time=now).dict(),
+                         subkey=member.owner, expiration_time=now + 600)
+        with pytest.raises(SwarmError, match="no manifest of run 'bare-run' .* signed fingerprint abc but stored no"):
+            fetch_manifest(dht, "bare-run", bootstrap, 3.0)
     finally:
         dht.shutdown()
