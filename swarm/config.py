@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 import types
 import typing
@@ -162,6 +163,21 @@ class SwarmConfig:
     """After its last round a peer keeps serving its state this long at most, while live peers are still at
     earlier rounds: raise it if a peer that fell behind near the end logs "state from ... refused" and
     ends on its own stale parameters."""
+    # Bounded influence (swarm/net/robust.py, audit.py): off by default, see there why.
+    max_weight_share: float = 1.0
+    """In (0, 1], 1 = off: cap on one member's share of its group's weight (water-filling; equal shares if
+    fewer than 1/cap members have samples). Lower it if a peer claiming huge sample counts dictates."""
+    clip_norm_ratio: float = 0.0
+    """0 = off, or >= 1: each member's chunk is scaled down to this x the median of the members' norms of
+    that chunk (per chunk: an owner never holds a whole part). Set it if a huge pseudo-gradient dictates."""
+    aggregation: Literal["mean", "trimmed_mean", "centered_clip"] = "mean"
+    """A part owner's per-chunk reducer: weighted mean, coordinate-wise trimmed mean, or centered clip."""
+    verify_parts: bool = False
+    """Each member recomputes one random chunk of every other part and fails the round on a lying owner."""
+
+    def robust_rule(self) -> tuple:
+        """What every member of a group must share (in the fingerprint when not the default)."""
+        return self.max_weight_share, self.clip_norm_ratio, self.aggregation, self.verify_parts
 
 
 @dataclass
@@ -218,6 +234,7 @@ class Config:
             "outer": self.outer.__dict__,
             "inner_steps": self.diloco.inner_steps,
             "compression": self.swarm.compression,
+            **({"robust": robust} if (robust := self.swarm.robust_rule()) != (1.0, 0.0, "mean", False) else {}),
         }
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -407,6 +424,11 @@ def validate(cfg: Config) -> None:
     for kind in f.hostile:
         if kind not in ATTACKS:
             raise ConfigError(f"faults.hostile: unknown attack {kind!r} (known: {', '.join(ATTACKS)})")
+    if not 0.0 < s.max_weight_share <= 1.0:
+        raise ConfigError(f"swarm.max_weight_share {s.max_weight_share} must be in (0, 1] (1 is off)")
+    if not (s.clip_norm_ratio == 0.0 or 1.0 <= s.clip_norm_ratio < math.inf):
+        raise ConfigError(f"swarm.clip_norm_ratio {s.clip_norm_ratio} must be 0 (off) or a finite number >= 1 "
+                          f"(below 1 it shrinks the median member too)")
     if s.progress_expiration <= live_window(s):
         raise ConfigError(f"swarm.progress_expiration {s.progress_expiration:g} must exceed the {live_window(s):g} s "
                           f"after which a silent peer counts as gone (5 x progress_interval + 2 x request_timeout)")

@@ -57,11 +57,25 @@ def test_overrides_in_both_forms():
     (["--swarm.allowed_peers", "QmaN6eWoit9vsGKnZdDbsEXTfXcBFT5e6VWhv3FTukYcCL"], "swarm.allowed_peers"),
     (["--swarm.auth", "closed"], "swarm.auth"),
     (["--swarm.identity_path", "k"], "swarm.identity_path' was replaced by swarm.identity"),
+    (["--swarm.max_weight_share", "0"], "swarm.max_weight_share"),
+    (["--swarm.max_weight_share", "1.5"], "swarm.max_weight_share"),
+    (["--swarm.clip_norm_ratio", "0.5"], "swarm.clip_norm_ratio"),
+    (["--swarm.clip_norm_ratio", "-1"], "swarm.clip_norm_ratio"),
+    (["--swarm.clip_norm_ratio", ".inf"], "swarm.clip_norm_ratio"),
+    (["--swarm.aggregation", "median"], "swarm.aggregation"),
+    (["--swarm.verify_parts", "2"], "swarm.verify_parts"),
     (["--swarm.allreduce_timeout", "60"], "swarm.allreduce_timeout' was replaced by swarm.stall_timeout"),
 ])
 def test_bad_overrides_name_the_culprit(overrides, culprit):
     with pytest.raises(ConfigError, match=culprit.replace(".", r"\.")):
         load_config(ROOT / "configs" / "tiny.yaml", overrides)
+
+
+def test_robust_rule_is_in_the_fingerprint_only_when_set():
+    plain = load_config(ROOT / "configs" / "tiny.yaml")
+    robust = load_config(ROOT / "configs" / "tiny.yaml", ["--swarm.aggregation", "trimmed_mean"])
+    assert plain.fingerprint() == load_config(ROOT / "configs" / "tiny.yaml", ["--swarm.max_weight_share", "1"]).fingerprint()
+    assert robust.fingerprint() != plain.fingerprint()
 
 
 def test_unknown_key_in_yaml(tmp_path):

@@ -3,19 +3,20 @@
 Members are an ordered list of peer ids, the same on every member; member j owns part j of the wire vector
 (`layout.py`). Everything moves chunk by chunk, so a member holds a few chunks at a time, never a vector:
 
-1. Every member i opens one stream to every owner j != i and sends HELLO (group, weight), then its chunks
-   of part j, read straight from the model's tensors and encoded by the codec (`Kind.CHUNK`).
+1. Every member i opens one stream to every owner j != i and sends HELLO (group, weight: the one all agreed
+   on), then its chunks of part j, read straight from the model's tensors and encoded (`Kind.CHUNK`).
 2. Owner j decodes and checks each chunk as it arrives (exact length, finite; a bad one fails the part and
-   names the sender), sums chunk k of all n members in fp32 in MEMBER ORDER once all have arrived, divides
-   by the total weight, encodes the average ONCE and sends those same bytes back on every stream
-   (`Kind.RESULT`). It reads a member's chunk k only while k < (chunks every member has been sent) + WINDOW,
-   so a fast sender cannot fill its memory.
+   names the sender: `AllReduceFailed.culprit`), reduces chunk k of all n members in fp32 in MEMBER ORDER
+   once all have arrived (`robust.py`: the weighted mean, or a bounded-influence rule), encodes the average
+   ONCE and sends those same bytes back on every stream (`Kind.RESULT`). It reads a member's chunk k only
+   while k < (chunks every member has been sent) + WINDOW, so a fast sender cannot fill its memory.
 3. Every member decodes the results into `out` (the outer step's gradient buffers) as they arrive. The
    owner decodes its own encoded bytes too, so all members end with identical tensors whatever the codec.
 4. A member holding the whole average sends DONE on its streams. Until every groupmate is DONE (or gone),
    and at most `stall` seconds, it keeps its group: an owner still sends its part to slow members, and any
-   member serves any part it holds to a groupmate that lost that part's owner (`_repair`): an owner that
-   died after serving some members no longer splits the group into committers and discarders.
+   member serves any part it holds to a groupmate that lost that part's owner (`repair.py`): an owner that
+   died after serving some members no longer splits the group into committers and discarders. With
+   `verify_parts`, members check the owners first, and DONE means "my audit passed" (`audit.py`).
 
 CPU work (reading, encoding, reducing, decoding, writing) runs in a thread pool; the event loop only moves
 bytes. A part either has all n contributions or it fails: `run()` then raises `AllReduceFailed` on every
@@ -35,10 +36,13 @@ from typing import Callable, Optional, Sequence
 import torch
 from hivemind.p2p import P2P, PeerID
 
+from swarm.net import audit
 from swarm.net.budget import transfer_deadline
-from swarm.net.codec import EXACT, CodecError
-from swarm.net.groupstate import AllReduceFailed, Contribution, GroupState, together
+from swarm.net.codec import CodecError
+from swarm.net.groupstate import AllReduceFailed, Contribution, GroupState, check_weights, together
 from swarm.net.layout import Chunk, WireLayout, gather, scatter
+from swarm.net.repair import repair, serve_repair
+from swarm.net.robust import Rule, reduce_chunk
 from swarm.net.wire import Channel, Kind, PeerFailed, ProtocolError, Traffic, WireError, serve
 from swarm.tensors import all_finite
 
@@ -51,20 +55,37 @@ class AllReduce:
     """Runs all-reduces among groups formed elsewhere; one instance per peer, stream handlers under `name`."""
 
     def __init__(self, p2p: P2P, name: str, stall: float, min_bandwidth: float,
-                 pool: concurrent.futures.Executor):
+                 pool: concurrent.futures.Executor, rule: Optional[Rule] = None):
         self.p2p, self.name, self.stall, self.min_bandwidth, self.pool = p2p, name, stall, min_bandwidth, pool
-        self.on_pushed: Optional[Callable[[], None]] = None  # fault injection: called after a part was pushed
+        self.rule = rule or Rule()
+        # fault injection from outside (tests, `faults.kill_phase`): after a part was pushed; on each encoded
+        # average our part's owner sends ((group, chunk index, bytes) -> the bytes sent instead)
+        self.on_pushed: Optional[Callable[[], None]] = None
+        self.on_result: Optional[Callable[[GroupState, int, bytes], bytes]] = None
         self._groups: dict[bytes, asyncio.Future[GroupState]] = {}
         self._serving: set[asyncio.Task] = set()
         self._abandoned: dict[bytes, tuple[PeerID, str]] = {}  # groups a member left before we ran them
+        self.failed: dict[bytes, GroupState] = {}  # verify_parts: failed groups, `stall` s for audits (audit.py)
 
     async def start(self) -> None:
         await serve(self.p2p, self.name, self.stall, self._serve_contributions)
-        await serve(self.p2p, f"{self.name}_repair", self.stall, self._serve_repair)
+        await serve(self.p2p, f"{self.name}_repair", self.stall, lambda channel: serve_repair(self, channel))
+        await serve(self.p2p, f"{self.name}_audit", self.stall, lambda channel: audit.serve_audit(self, channel))
 
     async def stop(self) -> None:
-        for name in (self.name, f"{self.name}_repair"):
+        for name in (self.name, f"{self.name}_repair", f"{self.name}_audit"):
             await self.p2p.remove_binary_stream_handler(name)
+
+    def deadline(self, layout: WireLayout, me: int) -> float:
+        """How long one all-reduce may take: its bytes (and the audit's) at swarm.min_bandwidth, plus stall."""
+        chunk = layout.codec.wire_bytes(layout.chunk_elements)
+        extra = audit.audit_bytes(layout.members, chunk) if self.rule.verify else 0
+        return transfer_deadline(layout.member_wire_bytes(me) + extra, self.stall, self.min_bandwidth)
+
+    def held(self, group_id: object) -> Optional[GroupState]:
+        """The group `group_id` if it runs (or lingers) here."""
+        slot = self._groups.get(group_id) if isinstance(group_id, bytes) else None
+        return slot.result() if slot is not None and slot.done() and slot.exception() is None else None
 
     def _cpu(self, fn, *args):
         return asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -72,22 +93,23 @@ class AllReduce:
     # ---- a member's run ---------------------------------------------------------------------------------
 
     async def run(self, group_id: bytes, members: Sequence[PeerID], layout: WireLayout,
-                  contribution: Contribution) -> Traffic:
-        """Average `contribution` among `members` into `contribution.out`; AllReduceFailed otherwise."""
-        if not (math.isfinite(contribution.weight) and contribution.weight >= 0):
-            raise AllReduceFailed(f"our own weight {contribution.weight} is not a finite number >= 0")
+                  contribution: Contribution, weights: Sequence[object]) -> Traffic:
+        """Average `contribution` among `members` into `contribution.out`; AllReduceFailed otherwise.
+        `weights`: every member's, as all members agreed (matchmaking); ours is `contribution.weight`."""
+        me = list(members).index(self.p2p.peer_id)
+        check_weights(members, weights, me, contribution.weight)
         slot = self._groups.setdefault(group_id, asyncio.get_running_loop().create_future())
         if slot.done():
             raise AllReduceFailed(f"group {group_id.hex()[:8]} was already run here")
-        me = list(members).index(self.p2p.peer_id)
-        group = GroupState(group_id, members, me, layout, contribution)
+        group = GroupState(group_id, members, me, layout, contribution, weights, self.rule)
         slot.set_result(group)
         if group_id in self._abandoned and self._abandoned[group_id][0] in group.members:
             await group.fail("{} left the group: {}".format(*self._abandoned.pop(group_id)))
         tasks = [asyncio.ensure_future(self._reduce_own(group))]
         tasks += [asyncio.ensure_future(self._exchange(group, j)) for j in range(len(members)) if j != me]
-        deadline = transfer_deadline(layout.member_wire_bytes(me), self.stall, self.min_bandwidth)
-        watch = asyncio.ensure_future(group.wait_for(group.complete, None, "all-reduce"))
+        done = audit.start(self, group, tasks) if self.rule.verify else group.complete
+        deadline = self.deadline(layout, me)
+        watch = asyncio.ensure_future(group.wait_for(done, None, "all-reduce"))
         try:
             async with asyncio.timeout(deadline):
                 pending = {watch, *tasks}
@@ -106,10 +128,14 @@ class AllReduce:
                                     f"incomplete")
             elif isinstance(e, WireError):
                 e = AllReduceFailed(str(e))
-            await group.fail(str(e) or type(e).__name__)
+            await group.fail(str(e) or type(e).__name__, getattr(e, "culprit", None))
             for task in [watch, *tasks]:
                 task.cancel()
+            if isinstance(e, AllReduceFailed) and e.culprit is None and group.culprit is not None:
+                e = AllReduceFailed(f"{e} (first failure: {group.failure})", group.culprit)
             self._forget(group_id, e if isinstance(e, AllReduceFailed) else AllReduceFailed(group.failure))
+            if self.rule.verify:
+                audit.keep(self, group)
             raise e from None
 
     def _linger(self, group: GroupState, tasks: list[asyncio.Task]) -> None:
@@ -142,7 +168,8 @@ class AllReduce:
         """Push our chunks of part j to its owner and take its averages back; repair the part if the owner is lost."""
         channel = None
         try:
-            channel = await Channel.open(self.p2p, group.members[j], self.name, self.stall, group.traffic)
+            channel = group.channels[j] = await Channel.open(self.p2p, group.members[j], self.name, self.stall,
+                                                             group.traffic)
             await channel.send_control(Kind.HELLO, {"group": group.group_id, "weight": group.weights[group.me]})
             await together(self._push(group, j, channel), self._take_results(group, j, channel))
         except PeerFailed as e:
@@ -150,8 +177,8 @@ class AllReduce:
         except WireError as e:
             if group.failure is None:
                 logger.info(f"all-reduce: lost the owner of part {j} ({e}); asking groupmates for it")
-                await self._repair(group, j, e)
-        await group.wait_for(group.complete, None, "all-reduce")
+                await repair(self, group, j, e)
+        await group.wait_for(lambda: group.complete() and group.audited, None, "all-reduce")
         if channel is not None:
             try:
                 await channel.send(Kind.DONE)
@@ -176,70 +203,51 @@ class AllReduce:
         scatter(out, chunk, values)
 
     async def _take_results(self, group: GroupState, j: int, channel: Channel) -> None:
+        committed = audit.DIGEST * len(group.members) if self.rule.verify else 0  # audit.py
         for chunk in group.chunks[j][group.have[j]:]:
             codec = group.layout.codec_of(chunk)
-            payload = await channel.recv_kind(Kind.RESULT, codec.wire_bytes(chunk.numel))
+            payload = await channel.recv_kind(Kind.RESULT, committed + codec.wire_bytes(chunk.numel))
+            if committed:
+                if group.audit_pick.get(j) == chunk.index:
+                    group.audit_got[j] = (bytes(payload[:committed]), bytes(payload[committed:]))
+                payload = payload[committed:]
             try:
                 await self._cpu(self._decode_into, group.mine.out, chunk, codec, payload)
             except CodecError as e:
-                raise AllReduceFailed(f"part {j}: bad average from {group.members[j]}: {e}") from None
+                raise AllReduceFailed(f"part {j}: bad average from {group.members[j]}: {e}", group.members[j]) from None
             group.have[j] += 1
             await group.notify()
 
-    async def _repair(self, group: GroupState, j: int, lost: Exception) -> None:
-        """Take the rest of part j from any groupmate that holds it, in fp32; AllReduceFailed if none does."""
-        tried = []
-        for k in [k for k in range(len(group.members)) if k not in (j, group.me)]:
-            try:
-                channel = await Channel.open(self.p2p, group.members[k], f"{self.name}_repair", self.stall,
-                                             group.traffic)
-                try:
-                    await channel.send_control(Kind.HELLO, {"group": group.group_id, "part": j,
-                                                            "start": group.have[j]})
-                    for chunk in group.chunks[j][group.have[j]:]:
-                        payload = await channel.recv_kind(Kind.RESULT, EXACT.wire_bytes(chunk.numel))
-                        await self._cpu(self._decode_into, group.mine.out, chunk, EXACT, payload)
-                        group.have[j] += 1
-                    await group.notify()
-                    logger.info(f"all-reduce: part {j} repaired from {group.members[k]}")
-                    return
-                finally:
-                    channel.close()
-            except (WireError, CodecError) as e:
-                tried.append(f"{group.members[k]}: {e}")
-        raise AllReduceFailed(f"part {j}: its owner {group.members[j]} was lost ({lost}) and no groupmate "
-                              f"could send it ({'; '.join(tried) or 'nobody else in the group'})")
-
     # ---- the owner's side -------------------------------------------------------------------------------
 
-    def _reduce(self, group: GroupState, chunk: Chunk, contributions: list[torch.Tensor], total: float):
+    def _reduce(self, group: GroupState, chunk: Chunk, contributions: list[torch.Tensor]) -> bytes:
         codec = group.layout.codec_of(chunk)
-        acc = torch.zeros(chunk.numel, dtype=torch.float32)
-        for values, weight in zip(contributions, group.weights):
-            acc.add_(values, alpha=weight)
-        acc.div_(total)
-        if not all_finite(acc):
+        average = reduce_chunk(contributions, group.shares, group.rule)
+        if not all_finite(average):
             raise AllReduceFailed(f"part {group.me}: the average is not finite")
-        payload = codec.encode(acc)
+        payload = codec.encode(average)
+        if self.on_result is not None:
+            payload = self.on_result(group, chunk.index, payload)
         scatter(group.mine.out, chunk, codec.decode(payload, chunk.numel))
         return payload
 
-    def _own_share(self, group: GroupState, chunk: Chunk) -> torch.Tensor:
+    def _own_share(self, group: GroupState, chunk: Chunk) -> tuple[torch.Tensor, bytes]:
         """Our chunk of our own part, with the rounding the other members' chunks get on the wire."""
-        return group.layout.codec_of(chunk).decode(self._encode_mine(group, chunk), chunk.numel)
+        payload = self._encode_mine(group, chunk)
+        return group.layout.codec_of(chunk).decode(payload, chunk.numel), payload
 
     async def _reduce_own(self, group: GroupState) -> None:
         for k, chunk in enumerate(group.chunks[group.me]):
-            own = await self._cpu(self._own_share, group, chunk)
+            own, payload = await self._cpu(self._own_share, group, chunk)
             group.pending.setdefault(k, [None] * len(group.members))[group.me] = own
+            if self.rule.verify:
+                group.digests.setdefault(k, [None] * len(group.members))[group.me] = audit.digest(payload)
             await group.notify()
             await group.wait_for(lambda k=k: all(c is not None for c in group.pending[k]), self.stall,
                                  f"part {group.me}, chunk {k}: waiting for "
                                  f"{[str(group.members[i]) for i, c in enumerate(group.pending[k]) if c is None]}")
-            total = math.fsum(group.weights)
-            if not total > 0:
-                raise AllReduceFailed(f"part {group.me}: total weight is {total}, must be > 0")
-            group.results[k] = await self._cpu(self._reduce, group, chunk, group.pending.pop(k), total)
+            result = await self._cpu(self._reduce, group, chunk, group.pending.pop(k))
+            group.results[k] = b"".join(group.digests.pop(k)) + result if self.rule.verify else result
             group.have[group.me] += 1
             await group.notify()
 
@@ -259,8 +267,7 @@ class AllReduce:
         it for `stall` s in case we have yet to run it."""
         if not isinstance(group_id, bytes):
             return
-        slot = self._groups.get(group_id)
-        group = slot.result() if slot is not None and slot.done() and slot.exception() is None else None
+        group = self.held(group_id)
         if group is not None and peer in group.members:
             asyncio.ensure_future(group.fail(f"{peer} left the group: {str(reason)[:300]}"))
         elif group is None and len(self._abandoned) < MAX_PENDING_GROUPS:
@@ -269,7 +276,13 @@ class AllReduce:
 
     async def _serve_contributions(self, channel: Channel) -> None:
         """One member's stream to us, the owner of our part: its chunks in, our part's averages out."""
-        hello = await channel.recv_control()
+        try:
+            hello = await channel.recv_control()
+        except ProtocolError as e:  # no honest peer sends that: name it in the groups that wait for it
+            for group in [g for g in map(self.held, list(self._groups)) if g and channel.peer in g.members
+                          and g.members.index(channel.peer) not in g.hello]:
+                await group.fail(f"part {group.me}: {channel.peer} sent an unreadable HELLO: {e}", channel.peer)
+            raise
         if "abandon" in hello:
             return self._left(hello.get("group"), channel.peer, hello["abandon"])
         group = await self._wait_group(hello.get("group"), channel)
@@ -278,15 +291,14 @@ class AllReduce:
         channel.count_into(group.traffic)
         i = group.members.index(channel.peer) if channel.peer in group.members else None
         weight = hello.get("weight")
-        if i is None or i == group.me or group.weights[i] is not None:
+        if i is None or i in group.hello:
             return await channel.fail(f"{channel.peer} is not a groupmate that may push to us")
-        if not (isinstance(weight, float) and math.isfinite(weight) and weight >= 0):
-            reason = f"part {group.me}: {channel.peer} sent weight {weight!r}, not a finite number >= 0"
+        group.hello.add(i)
+        if weight != group.weights[i]:
+            reason = f"part {group.me}: {channel.peer} sent weight {weight!r}, not the {group.weights[i]} it announced"
             logger.warning(f"all-reduce: rejected the contribution of {channel.peer}: bad weight {weight!r}")
-            await group.fail(reason)
+            await group.fail(reason, channel.peer)
             return await channel.fail(reason)
-        group.weights[i] = weight
-        await group.notify()
         sending = asyncio.ensure_future(self._send_results(group, i, channel))
         try:
             await self._take_contributions(group, i, channel)
@@ -304,20 +316,25 @@ class AllReduce:
                 await group.wait_for(lambda k=k: k < group.window_end(), None, "window")
                 codec = group.layout.codec_of(chunk)
                 payload = await channel.recv_kind(Kind.CHUNK, codec.wire_bytes(chunk.numel))
+                if self.rule.verify:
+                    group.digests.setdefault(k, [None] * len(group.members))[i] = audit.digest(payload)
                 values = await self._cpu(codec.decode, payload, chunk.numel)
                 if not all_finite(values):
                     raise CodecError("part contains NaN or Inf")
             except (WireError, CodecError) as e:
                 if group.failure is None:
                     logger.warning(f"all-reduce: rejected the contribution of {channel.peer}: {e}")
-                await group.fail(f"part {group.me}: rejected the contribution of {channel.peer}: {e}")
+                await group.fail(f"part {group.me}: rejected the contribution of {channel.peer}: {e}",
+                                 channel.peer if isinstance(e, (ProtocolError, CodecError)) else None)
                 return
             except AllReduceFailed:
                 return
             group.pending.setdefault(k, [None] * len(group.members))[i] = values
             await group.notify()
         try:
-            await channel.recv_kind(Kind.DONE, 0)  # a member that pushes more than its part is refused here
+            await channel.recv_kind(Kind.DONE, 512)  # room for a FAIL's reason; more than its part is refused
+        except PeerFailed as e:  # with verify_parts: its audit failed (audit.py), so must the round
+            await audit.refused(group, f"a groupmate refused the round: {e}")
         except ProtocolError as e:
             logger.warning(f"all-reduce: {channel.peer} sent more than its part: {e}")
         except WireError:
@@ -340,25 +357,6 @@ class AllReduce:
         finally:
             group.delivered[i] = math.inf
             await group.notify()
-
-    async def _serve_repair(self, channel: Channel) -> None:
-        """Send part j of a complete group's average, in fp32, to a groupmate that lost j's owner."""
-        hello = await channel.recv_control()
-        slot = self._groups.get(hello.get("group"))
-        group = slot.result() if slot is not None and slot.done() and slot.exception() is None else None
-        j, start = hello.get("part"), hello.get("start")
-        valid = (group is not None and channel.peer in group.members and isinstance(j, int)
-                 and 0 <= j < len(group.members) and isinstance(start, int) and 0 <= start <= len(group.chunks[j]))
-        if not valid:
-            return await channel.fail("no such group or part here")
-        channel.count_into(group.traffic)
-        try:
-            await group.wait_for(lambda: group.have[j] == len(group.chunks[j]), self.stall, f"part {j}")
-            for chunk in group.chunks[j][start:]:
-                values = await self._cpu(gather, group.read_out, chunk)
-                await channel.send(Kind.RESULT, values.numpy().tobytes())
-        except (AllReduceFailed, WireError) as e:
-            await channel.fail(str(e))
 
     def _forget(self, group_id: bytes, why: AllReduceFailed) -> None:
         """Drop a group (its tensors with it); for `stall` s more, streams naming it get `why` at once."""

@@ -16,6 +16,7 @@ from hivemind.p2p import PeerID
 
 from swarm.errors import SwarmError
 from swarm.net.layout import WireLayout
+from swarm.net.robust import Rule, cap_weights
 from swarm.net.wire import Traffic
 
 WINDOW = 2
@@ -24,7 +25,13 @@ WINDOW x members chunks, however fast a member pushes."""
 
 
 class AllReduceFailed(SwarmError):
-    """One all-reduce did not produce a complete result; the message says which part and why."""
+    """One all-reduce did not produce a complete result; the message says which part and why. `culprit`: the
+    groupmate that sent something no honest peer sends (malformed or non-finite data, a weight other than it
+    announced, a wrong average), if we saw it ourselves; the caller may keep it out of later groups."""
+
+    def __init__(self, reason: str, culprit: Optional[PeerID] = None):
+        super().__init__(reason)
+        self.culprit = culprit
 
 
 async def together(*steps) -> None:
@@ -37,6 +44,17 @@ async def together(*steps) -> None:
     finally:
         for task in tasks:
             task.cancel()
+
+
+def check_weights(members: Sequence[PeerID], weights: Sequence[object], me: int, ours: float) -> None:
+    """The weights all members agreed on (matchmaking) must be finite numbers >= 0, ours among them, one > 0;
+    AllReduceFailed naming the member whose is not."""
+    for i, w in enumerate(weights):
+        if not (isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 0):
+            raise AllReduceFailed(f"{'our own' if i == me else members[i]} weight {w!r} is not a finite "
+                                  f"number >= 0", None if i == me else members[i])
+    if weights[me] != ours or not any(w > 0 for w in weights):
+        raise AllReduceFailed(f"weights {list(weights)}: ours is not {ours} or none is > 0")
 
 
 @dataclass
@@ -53,16 +71,21 @@ class GroupState:
     """This member's view of one all-reduce."""
 
     def __init__(self, group_id: bytes, members: Sequence[PeerID], me: int, layout: WireLayout,
-                 contribution: Contribution):
+                 contribution: Contribution, weights: Sequence[float], rule: Rule):
         n = len(members)
         self.group_id, self.members, self.me, self.layout, self.mine = group_id, list(members), me, layout, contribution
         self.chunks = [layout.chunks(j) for j in range(n)]
         self.traffic = Traffic()
         self.changed = asyncio.Condition()
         self.failure: Optional[str] = None
+        self.culprit: Optional[PeerID] = None
+        self.rule = rule
+        # the weights every member agreed on (matchmaking), and the shares every owner reduces with
+        self.weights = [float(w) for w in weights]
+        self.shares = cap_weights(self.weights, rule.max_weight_share)
+        self.hello = {me}  # members whose stream to us (the owner) said HELLO
         # owner side: contributions to our part, and its encoded averages until every member was sent them
-        self.weights: list[Optional[float]] = [None] * n
-        self.weights[me] = float(contribution.weight)
+        self.digests: dict[int, list[Optional[bytes]]] = {}  # verify_parts: what each member sent, hashed
         self.pending: dict[int, list[Optional[torch.Tensor]]] = {}
         self.results: dict[int, bytes] = {}
         self.delivered = [0] * n  # result chunks sent to each member; math.inf once it needs no more
@@ -70,6 +93,12 @@ class GroupState:
         self.settled = {me}  # members that need nothing more from us (DONE, or gone)
         # member side: chunks of every part written into `out`
         self.have = [0] * n
+        self.channels: dict[int, object] = {}  # our stream to each part's owner (wire.Channel)
+        self.audit_pick: dict[int, int] = {}  # verify_parts: the chunk of each part we recompute (audit.py)
+        self.audit_got: dict[int, tuple[bytes, bytes]] = {}  # (owner's digests, its result) of that chunk
+        self.audited = not rule.verify
+        self.refusals: list[str] = []  # groupmates' failed audits, acted on once ours is done (audit.py)
+        self.audits_served: set[tuple[PeerID, int]] = set()  # (groupmate, part) whose contribution we re-sent
 
     def complete(self) -> bool:
         return all(h == len(c) for h, c in zip(self.have, self.chunks))
@@ -95,9 +124,9 @@ class GroupState:
         except TimeoutError:
             raise AllReduceFailed(f"{what}: nothing arrived for {stall:g} s (swarm.stall_timeout)") from None
         if self.failure is not None and not predicate():
-            raise AllReduceFailed(self.failure)
+            raise AllReduceFailed(self.failure, self.culprit)
 
-    async def fail(self, reason: str) -> None:
+    async def fail(self, reason: str, culprit: Optional[PeerID] = None) -> None:
         if self.failure is None:
-            self.failure = reason
+            self.failure, self.culprit = reason, culprit
         await self.notify()

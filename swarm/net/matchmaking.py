@@ -82,6 +82,7 @@ class GroupMeta(BaseModel):
     samples: conint(ge=0, strict=True) = 0  # inner samples since the last commit: the member's weight
     numel: conint(ge=0, strict=True) = 0  # elements of the vector it averages
     base: schema.Sha256 = ""  # hash of the global parameters its pseudo-gradient starts from
+    chunk: Optional[conint(ge=0, strict=True)] = None  # elements per chunk it asks for (grouping.agreed_chunk)
 
     class Config:
         extra = "forbid"
@@ -206,24 +207,23 @@ class Matchmaker:
         if len(members) < 2:
             raise NoGroup(f"round {round}: only this peer in its group", alone=True)
         group = Group(group_id(members, metas), members, metas)
-        refused = [str(p) for p in members if not self.access.admits(p)]
-        if refused:
-            raise NoGroup(f"round {round}: leaving a group with refused peers: {', '.join(refused)}", alone=False,
-                          left=group)
-        try:
-            checked = [GroupMeta.parse_obj(m) for m in metas]
-        except ValidationError:
-            bad = [str(p) for p, m in zip(members, metas) if not _fits(m)]
+        # Refused members (allowlist, bans) are left out by the caller (grouping.Offenses.exclude); their meta
+        # is not read, and their barrier tokens are unknowns that must sum to something plausible.
+        admitted = [self.access.admits(p) for p in members]
+        bad = [str(p) for p, m, ok in zip(members, metas, admitted) if ok and not _fits(m)]
+        if bad:
             for peer in bad:
                 self.access.offense(peer, "sent malformed matchmaking metadata")
             raise NoGroup(f"round {round}: malformed matchmaking metadata from {', '.join(bad)}", alone=False,
-                          left=group) from None
+                          left=group)
+        checked = [GroupMeta.parse_obj(m) for m, ok in zip(metas, admitted) if ok]
         if any(m.round != round for m in checked):
             raise NoGroup(f"round {round}: a groupmate sent metadata of another round", alone=False, left=group)
-        expected = sum(m.token for m in checked) / len(checked)
         with self._averager.get_tensors() as tensors:
             got = float(tensors[0])
-        if abs(got - expected) > 1e-4 * expected:
+        unknown = got * len(members) - sum(m.token for m in checked)  # the refused members' tokens together
+        lo, hi = len(members) - len(checked), (len(members) - len(checked)) * 2.0**16
+        if not lo - 1e-4 * got * len(members) <= unknown <= hi + 1e-4 * got * len(members):
             raise NoGroup(f"a phantom group of {len(members)}: not every member took part in the matchmaking "
                           f"barrier", alone=False, left=group)
         return group

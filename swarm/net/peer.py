@@ -44,26 +44,20 @@ from swarm.errors import SwarmError
 from swarm.net import policy, schema
 from swarm.net.access import Access
 from swarm.net.allreduce import AllReduce
-from swarm.net.budget import chunk_elements, round_deadline, transfer_deadline
+from swarm.net.budget import chunk_elements, round_deadline
 from swarm.net.codec import get_codec
 from swarm.net.dht import allowed_peers
+from swarm.net.grouping import Offenses, OtherBase, agreed_chunk, on_majority_base
 from swarm.net.groupstate import AllReduceFailed, Contribution
 from swarm.net.hostile import hooks_for
 from swarm.net.identity import Identity
 from swarm.net.layout import WireLayout
-from swarm.net.matchmaking import Group, Matchmaker, NoGroup
+from swarm.net.matchmaking import Matchmaker, NoGroup
+from swarm.net.robust import Rule
 from swarm.net.statesync import StateForged, StateRefused, StateServer, download
 from swarm.net.wire import WireError
 
 logger = logging.getLogger(__name__)
-
-
-class OtherBase(Exception):
-    """The group's majority holds other global parameters than ours; `donors` are its members."""
-
-    def __init__(self, reason: str, donors: list[str]):
-        super().__init__(reason)
-        self.donors = donors
 
 
 def _die_now() -> None:
@@ -91,6 +85,7 @@ class SwarmAverager(Averager):
                                                            thread_name_prefix="swarm-cpu")
         # The averager forks a process: create it before our threads exist.
         self.access = Access(allowed_peers(cfg))
+        self._offenses = Offenses(self.access)  # groupmates caught misbehaving: left out of our groups
         self.hooks = hooks_for(self.faults.hostile)  # a hostile peer's attacks (tests and demos only)
         self._published: Optional[schema.ProgressRecord] = None  # our last record, as we made it
         self._matchmaker = Matchmaker(cfg, dht, fingerprint, self.access)
@@ -102,7 +97,8 @@ class SwarmAverager(Averager):
         try:
             self._p2p = self._call(dht.replicate_p2p(), cfg.bootstrap_timeout)
             name = lambda what: schema.handler_name(cfg.run_id, fingerprint, what)  # noqa: E731
-            self._allreduce = AllReduce(self._p2p, name("ar"), cfg.stall_timeout, cfg.min_bandwidth, self._pool)
+            self._allreduce = AllReduce(self._p2p, name("ar"), cfg.stall_timeout, cfg.min_bandwidth, self._pool,
+                                        Rule.of(cfg))
             self._server = StateServer(self._p2p, name("state"), cfg.stall_timeout, self._pool, self.access,
                                        self.hooks)
             self._state_handler = name("state")
@@ -132,6 +128,7 @@ class SwarmAverager(Averager):
         if not pseudo_grad.is_finite():
             return RoundOutcome(None, note="the local pseudo-gradient is not finite; not sent")
         full = WireLayout(pseudo_grad.shapes, self._codec, 1)
+        chunk = chunk_elements(self.cfg.stall_timeout, self.cfg.min_bandwidth)
         deadline = start + round_deadline(2 * full.part_wire_bytes(0), self.cfg)  # 2 (n-1)/n V < 2 V
         residual = ([torch.zeros(s) for s in pseudo_grad.shapes]
                     if self.cfg.error_feedback and self._codec.lossy else None)
@@ -149,18 +146,21 @@ class SwarmAverager(Averager):
                                     donors=list(position.donors), note=position.note)
             try:
                 group = self._matchmaker.form_group(
-                    round, self.hooks.meta({"samples": int(samples), "numel": full.numel, "base": base}),
+                    round, self.hooks.meta({"samples": int(samples), "numel": full.numel, "base": base,
+                                            "chunk": chunk}),
                     timeout=min(left, 2 * self.cfg.matchmaking_time),
                     expected=position.expected_group if self._averaged_once else None)
-                group = self._on_majority_base(group, base)
+                group = on_majority_base(group, base)
+                if (kept := self._offenses.exclude(group, round)) is not group:
+                    self._abandon(group.group_id, group.members, "offenders left out")  # whoever runs it
+                    group = kept
             except OtherBase as e:
                 return RoundOutcome(None, comm_s=time.monotonic() - start, behind=True, donors=e.donors,
                                     note=str(e))
             except NoGroup as e:
                 reason = e.reason
                 if e.left is not None:  # groupmates that believe in this group must not wait for us
-                    asyncio.run_coroutine_threadsafe(
-                        self._allreduce.abandon(e.left.group_id, e.left.members, e.reason), self._loop)
+                    self._abandon(e.left.group_id, e.left.members, e.reason)
                 if e.alone and self._assess(round, base).verdict == policy.Verdict.ALONE:
                     for i, o in enumerate(out):
                         o.copy_(pseudo_grad.read(i, 0, o.numel()).view(o.shape))
@@ -168,8 +168,6 @@ class SwarmAverager(Averager):
                 logger.info(f"round {round + 1}: {reason}; retrying")
                 continue
             logger.debug(f"round {round + 1}: a group of {len(group.members)} after {time.monotonic() - start:.2f} s")
-            layout = WireLayout(pseudo_grad.shapes, self._codec, len(group.members),
-                                chunk_elements(self.cfg.stall_timeout, self.cfg.min_bandwidth))
             if residual is not None:
                 for r in residual:
                     r.zero_()
@@ -177,13 +175,17 @@ class SwarmAverager(Averager):
                 if any(m.get("numel") != full.numel for m in group.metas):
                     raise AllReduceFailed(f"groupmates average vectors of other sizes: "
                                           f"{[m.get('numel') for m in group.metas]}")
+                layout = WireLayout(pseudo_grad.shapes, self._codec, len(group.members), agreed_chunk(group))
                 contribution = Contribution(pseudo_grad.read, self.hooks.weight(float(samples)), out, residual)
-                bound = transfer_deadline(layout.member_wire_bytes(group.members.index(self._p2p.peer_id)),
-                                          self.cfg.stall_timeout, self.cfg.min_bandwidth) + self.cfg.stall_timeout
+                me = group.members.index(self._p2p.peer_id)
+                bound = self._allreduce.deadline(layout, me) + self.cfg.stall_timeout
                 allreduce_start = time.monotonic()
-                traffic = self._call(self._allreduce.run(group.group_id, group.members, layout, contribution), bound)
+                traffic = self._call(self._allreduce.run(group.group_id, group.members, layout, contribution,
+                                                         [m.get("samples") for m in group.metas]), bound)
             except (AllReduceFailed, TimeoutError) as e:
                 reason = str(e)
+                if getattr(e, "culprit", None) is not None:
+                    self._offenses.record(e.culprit, round, reason)
                 logger.warning(f"round {round + 1}: all-reduce in a group of {len(group.members)} failed: {e}; "
                                f"retrying")
                 continue
@@ -197,21 +199,9 @@ class SwarmAverager(Averager):
                             note=f"round {round + 1} discarded after {time.monotonic() - start:.0f} s "
                                  f"(the round's deadline, budget.round_deadline): {reason}")
 
-    def _on_majority_base(self, group: Group, base: str) -> Group:
-        """Keep the members whose global parameters (`base` hash) are the group's majority; ties go to the
-        larger hash, so every member picks the same subgroup. A member outside it raises OtherBase."""
-        bases = [m.get("base") for m in group.metas]
-        majority = max(set(bases), key=lambda b: (bases.count(b), str(b)))
-        keep = [i for i, b in enumerate(bases) if b == majority]
-        if base != majority:
-            raise OtherBase(f"global parameters differ from {len(keep)} of {len(bases)} groupmates: "
-                            f"taking their state", [str(group.members[i]) for i in keep])
-        if len(keep) < len(bases):
-            logger.warning(f"{len(bases) - len(keep)} groupmates hold other global parameters; "
-                           f"averaging without them")
-        if len(keep) == 1:
-            raise NoGroup("no groupmate shares our global parameters", alone=True)
-        return Group(group.group_id, [group.members[i] for i in keep], [group.metas[i] for i in keep])
+    def _abandon(self, group_id: bytes, members: list, reason: str) -> None:
+        """Tell `members` that we leave `group_id`, so that they do not wait for us."""
+        asyncio.run_coroutine_threadsafe(self._allreduce.abandon(group_id, members, reason), self._loop)
 
     # ---- progress and position ------------------------------------------------------------------------
 

@@ -49,10 +49,11 @@ class GroupResult:
 
 
 def run_group(dhts, vectors, weights, *, codec="none", stall=10.0, skip=(), group_id=b"g", chunk_elements=None,
-              residual=False, shapes=None, abandon=()):
+              residual=False, shapes=None, abandon=(), rule=None, hooks=None):
     """One in-process all-reduce among `dhts` of flat fp32 `vectors` (one tensor each, or cut into `shapes`);
-    members in `skip` never start it, members in `abandon` tell the others they leave it. Returns (members,
-    GroupResult or exception per started member)."""
+    members in `skip` never start it, members in `abandon` tell the others they leave it; `rule`: a
+    robust.Rule; `hooks`: {member: {"on_result": fn}} fault injection. Returns (members, GroupResult or
+    exception per started member)."""
     import asyncio
     import concurrent.futures
 
@@ -69,7 +70,10 @@ def run_group(dhts, vectors, weights, *, codec="none", stall=10.0, skip=(), grou
     async def main():
         p2ps = [await dht.replicate_p2p() for dht in dhts]
         pool = concurrent.futures.ThreadPoolExecutor(2)
-        services = [AllReduce(p2p, "unit", stall, 1e6, pool) for p2p in p2ps]
+        services = [AllReduce(p2p, "unit", stall, 1e6, pool, rule) for p2p in p2ps]
+        for i, hook in (hooks or {}).items():
+            for name, fn in hook.items():
+                setattr(services[i], name, fn)
         for service in services:
             await service.start()
         members = [p2p.peer_id for p2p in p2ps]
@@ -80,7 +84,7 @@ def run_group(dhts, vectors, weights, *, codec="none", stall=10.0, skip=(), grou
             parts = [p.reshape(s) for p, s in zip(split(vector), shapes)]
             kept = [torch.zeros(s) for s in shapes] if residual else None
             read = lambda i, a, b: parts[i].reshape(-1)[a:b].clone()  # noqa: E731
-            traffic = await service.run(group_id, members, layout, Contribution(read, weight, out, kept))
+            traffic = await service.run(group_id, members, layout, Contribution(read, weight, out, kept), weights)
             flat = lambda ts: torch.cat([t.reshape(-1) for t in ts])  # noqa: E731
             return GroupResult(flat(out), traffic, flat(kept) if kept is not None else None)
 

@@ -4,7 +4,10 @@ The job names the config overrides, the vector (seeded), the round and a mode:
 - "honest": average the vector;
 - "nan": a hostile peer that skips the local finiteness check and sends a NaN;
 - "victim": pushes its chunks to one owner only, tells the test (marker file) and waits to be SIGKILLed;
-- "slow_fetch": takes the averaged parts 2 s late, when fast groupmates may already be leaving.
+- "slow_fetch": takes the averaged parts 2 s late, when fast groupmates may already be leaving;
+- "huge": sends 1e6 times its vector; "heavy": claims a weight (samples) of 1e30 in matchmaking and HELLO;
+- "wrong_owner": adds 1.0 to every average it returns as a part's owner (fp32 codec), through the
+  all-reduce's `on_result` fault hook.
 The result goes to `out` (torch.save); `ready` marks that the peer is up, and it starts averaging when
 the file `go` appears, so all peers of a test enter matchmaking together.
 """
@@ -22,6 +25,7 @@ from swarm.averaging import Snapshot
 from swarm.config import SwarmConfig
 from swarm.diloco import PseudoGradient
 from swarm.net import allreduce
+from swarm.net.codec import get_codec
 from swarm.net.dht import start_dht
 from swarm.net.identity import load_identity
 from swarm.net.peer import SwarmAverager
@@ -65,10 +69,20 @@ def main(job: dict) -> None:
                 await asyncio.sleep(2.0)
                 return await take(self, group, j, channel)
             allreduce.AllReduce._take_results = late_take
+        if job["mode"] == "wrong_owner":
+            codec = get_codec("none")
+            averager._allreduce.on_result = lambda group, k, payload: codec.encode(
+                codec.decode(payload, len(payload) // 4) + 1.0)
+        if job["mode"] == "heavy":  # a meta and a weight no honest peer sends (ints that large do not pack)
+            form_group = averager._matchmaker.form_group
+            averager._matchmaker.form_group = lambda round, meta, **kw: form_group(round, dict(meta, samples=1e30),
+                                                                                 **kw)
         run = averager._allreduce.run
         timings = []
 
         async def timed_run(*args):
+            if job["mode"] == "heavy":
+                args[3].weight = 1e30
             start = time.perf_counter()
             try:
                 return await run(*args)
@@ -79,6 +93,8 @@ def main(job: dict) -> None:
         grad = make_vector(job["seed"], job["numel"])
         if job["mode"] == "nan":
             grad[0][3] = float("nan")
+        if job["mode"] == "huge":
+            grad = [t * 1e6 for t in grad]
         # serve a state (never downloaded here) so that the policy counts this peer as a donor
         averager.offer_state(Snapshot(job["round"], job["base"], {}, {}, 0, lambda: 0))
         averager.publish_progress(job["round"], 0, job["samples"], 1.0, sha256=job["base"])

@@ -44,7 +44,8 @@ async def average(dht, job: dict, folder: Path) -> dict:
     layout = WireLayout([vector.shape], get_codec("none"), 2, chunk_elements(job["stall"], job["min_bandwidth"]))
     start = time.monotonic()
     try:
-        await service.run(b"shaped", members, layout, Contribution(lambda i, a, b: vector[a:b].clone(), 1.0, out))
+        await service.run(b"shaped", members, layout, Contribution(lambda i, a, b: vector[a:b].clone(), 1.0, out),
+                          [1.0, 1.0])
         return {"ok": True, "seconds": time.monotonic() - start, "end": time.time(),
                 "sha256": hashlib.sha256(out[0].numpy().tobytes()).hexdigest()}
     except Exception as e:

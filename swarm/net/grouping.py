@@ -1,0 +1,93 @@
+"""Who this peer averages with, among the members matchmaking put in its group.
+
+- `on_majority_base`: only members on the group's majority global parameters (the others take its state).
+- `agreed_chunk`: the chunk size all members cut parts with, whatever their own time-outs.
+- `Offenses`: groupmates caught sending what no honest peer sends (`AllReduceFailed.culprit`: malformed or
+  non-finite data, a weight other than announced, a wrong average found by an audit). An offender is left
+  out of this peer's later groups in the same round; one caught `access.BAN_AFTER` times is banned for the
+  run (access.py keeps the counts, the bans and the events), and so is every peer `Access` refuses (a
+  stranger to a private swarm's allowlist).
+  Matchmaking cannot refuse a peer (hivemind forms the group), so `exclude` drops the offenders from a
+  formed group and gives the rest a new group id (the old id plus who was dropped): groupmates that caught
+  the same offender (each owner sees a bad contributor itself) run the new group together at once; one
+  that disagrees runs another id and stalls out within `stall_timeout`, then retries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+from hivemind.p2p import PeerID
+
+from swarm.net.access import Access
+from swarm.net.groupstate import AllReduceFailed
+from swarm.net.layout import CHUNK_ELEMENTS
+from swarm.net.matchmaking import Group, NoGroup
+
+logger = logging.getLogger(__name__)
+
+class OtherBase(Exception):
+    """The group's majority holds other global parameters than ours; `donors` are its members."""
+
+    def __init__(self, reason: str, donors: list[str]):
+        super().__init__(reason)
+        self.donors = donors
+
+
+def on_majority_base(group: Group, base: str) -> Group:
+    """Keep the members whose global parameters (`base` hash) are the group's majority; ties go to the
+    larger hash, so every member picks the same subgroup. A member outside it raises OtherBase."""
+    bases = [m.get("base") for m in group.metas]
+    majority = max(set(bases), key=lambda b: (bases.count(b), str(b)))
+    keep = [i for i, b in enumerate(bases) if b == majority]
+    if base != majority:
+        raise OtherBase(f"global parameters differ from {len(keep)} of {len(bases)} groupmates: "
+                        f"taking their state", [str(group.members[i]) for i in keep])
+    if len(keep) < len(bases):
+        logger.warning(f"{len(bases) - len(keep)} groupmates hold other global parameters; averaging without them")
+    if len(keep) == 1:
+        raise NoGroup("no groupmate shares our global parameters", alone=True)
+    return Group(group.group_id, [group.members[i] for i in keep], [group.metas[i] for i in keep])
+
+
+def agreed_chunk(group: Group) -> int:
+    """The smallest chunk any member asked for in matchmaking (each its `budget.chunk_elements`, from its own
+    stall_timeout and min_bandwidth): members whose time-outs differ still cut the parts alike, instead of
+    refusing each other's chunks as malformed (and naming an honest peer the culprit)."""
+    for peer, meta in zip(group.members, group.metas):
+        c = meta.get("chunk")
+        if not (type(c) is int and 2**10 <= c <= CHUNK_ELEMENTS and c & (c - 1) == 0):
+            raise AllReduceFailed(f"{peer} asked for chunks of {c!r} elements, not a power of two in "
+                                  f"[2^10, {CHUNK_ELEMENTS}]", peer)
+    return min(meta["chunk"] for meta in group.metas)
+
+
+class Offenses:
+    def __init__(self, access: Access):
+        self.access = access
+        self.round, self.this_round = -1, set()
+
+    def record(self, peer: PeerID, round: int, reason: str) -> None:
+        if round != self.round:
+            self.round, self.this_round = round, set()
+        self.this_round.add(peer)
+        self.access.offense(peer, reason)
+
+    def excluded(self, peer: PeerID, round: int) -> bool:
+        return not self.access.admits(peer) or (round == self.round and peer in self.this_round)
+
+    def exclude(self, group: Group, round: int) -> Group:
+        """`group` without the offenders, under a new id if any was dropped; NoGroup if only we remain."""
+        out = [i for i, p in enumerate(group.members) if self.excluded(p, round)]
+        if not out:
+            return group
+        keep = [i for i in range(len(group.members)) if i not in out]
+        dropped = [group.members[i] for i in out]
+        logger.warning(f"round {round + 1}: leaving out offenders {[str(p) for p in dropped]}")
+        if len(keep) < 2:
+            raise NoGroup(f"only offenders {[str(p) for p in dropped]} in our group", alone=False, left=group)
+        h = hashlib.sha256(group.group_id)
+        for peer in dropped:
+            h.update(peer.to_bytes())
+        return Group(h.digest()[:16], [group.members[i] for i in keep], [group.metas[i] for i in keep])

@@ -1,0 +1,63 @@
+"""A member that lost a part's owner takes that part from a groupmate that holds it (allreduce.py, step 4).
+
+An owner that died after serving some members must not split the group into committers and discarders:
+any member holding part j's whole average serves it, in fp32, to a groupmate that asks (`serve_repair`),
+until every groupmate is settled or `stall` s passed (`AllReduce._linger`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from swarm.net.codec import EXACT, CodecError
+from swarm.net.groupstate import AllReduceFailed, GroupState
+from swarm.net.layout import gather
+from swarm.net.wire import Channel, Kind, WireError
+
+if TYPE_CHECKING:
+    from swarm.net.allreduce import AllReduce
+
+logger = logging.getLogger("swarm.net.allreduce")  # one log for the whole all-reduce
+
+
+async def repair(ar: AllReduce, group: GroupState, j: int, lost: Exception) -> None:
+    """Take the rest of part j from any groupmate that holds it, in fp32; AllReduceFailed if none does."""
+    tried = []
+    for k in [k for k in range(len(group.members)) if k not in (j, group.me)]:
+        try:
+            channel = await Channel.open(ar.p2p, group.members[k], f"{ar.name}_repair", ar.stall, group.traffic)
+            try:
+                await channel.send_control(Kind.HELLO, {"group": group.group_id, "part": j, "start": group.have[j]})
+                for chunk in group.chunks[j][group.have[j]:]:
+                    payload = await channel.recv_kind(Kind.RESULT, EXACT.wire_bytes(chunk.numel))
+                    await ar._cpu(ar._decode_into, group.mine.out, chunk, EXACT, payload)
+                    group.have[j] += 1
+                await group.notify()
+                logger.info(f"all-reduce: part {j} repaired from {group.members[k]}")
+                return
+            finally:
+                channel.close()
+        except (WireError, CodecError) as e:
+            tried.append(f"{group.members[k]}: {e}")
+    raise AllReduceFailed(f"part {j}: its owner {group.members[j]} was lost ({lost}) and no groupmate "
+                          f"could send it ({'; '.join(tried) or 'nobody else in the group'})")
+
+
+async def serve_repair(ar: AllReduce, channel: Channel) -> None:
+    """Send part j of a complete group's average, in fp32, to a groupmate that lost j's owner."""
+    hello = await channel.recv_control()
+    group = ar.held(hello.get("group"))
+    j, start = hello.get("part"), hello.get("start")
+    valid = (group is not None and channel.peer in group.members and isinstance(j, int)
+             and 0 <= j < len(group.members) and isinstance(start, int) and 0 <= start <= len(group.chunks[j]))
+    if not valid:
+        return await channel.fail("no such group or part here")
+    channel.count_into(group.traffic)
+    try:
+        await group.wait_for(lambda: group.have[j] == len(group.chunks[j]), ar.stall, f"part {j}")
+        for chunk in group.chunks[j][start:]:
+            values = await ar._cpu(gather, group.read_out, chunk)
+            await channel.send(Kind.RESULT, values.numpy().tobytes())
+    except (AllReduceFailed, WireError) as e:
+        await channel.fail(str(e))

@@ -1,0 +1,142 @@
+"""Bounded influence in the streamed all-reduce, in one process (three DHTs): a weight claim of 1e30 capped,
+a 1e6x contribution trimmed away, owners audited (an honest group passes, a lying owner is named)."""
+
+import pytest
+import torch
+from conftest import run_group, three_dhts
+
+from swarm.net import allreduce
+from swarm.net.codec import get_codec
+from swarm.net.groupstate import AllReduceFailed
+from swarm.net.layout import WireLayout
+from swarm.net.robust import Rule
+
+
+@pytest.fixture
+def dhts():  # fresh daemons per test: once a replica of a daemon shut down, later replicas get no streams
+    with three_dhts() as started:
+        yield started
+
+
+@pytest.mark.timeout(30)
+def test_a_weight_of_1e30_gets_the_capped_share(dhts):
+    vectors = [torch.randn(5000) for _ in range(3)]
+    _, results = run_group(dhts, vectors, [1e30, 2.0, 2.0], rule=Rule(max_weight_share=0.5), chunk_elements=1024)
+    expected = 0.5 * vectors[0] + 0.25 * vectors[1] + 0.25 * vectors[2]
+    for r in results:
+        assert not isinstance(r, BaseException), r
+        assert torch.equal(r.tensor, results[0].tensor)
+        assert (r.tensor - expected).abs().max() < 1e-5
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("aggregation", ["trimmed_mean", "centered_clip"])
+def test_a_1e6x_contribution_is_bounded(dhts, aggregation):
+    """Member 1 sends 1e6 times its vector. trimmed_mean of 3 is the coordinate-wise median; centered clip
+    stays within the honest spread (the mean would be ~3e5 x)."""
+    vectors = [torch.randn(6000) for _ in range(3)]
+    vectors[1] = vectors[1] * 1e6
+    _, results = run_group(dhts, vectors, [1.0, 1.0, 1.0], rule=Rule(aggregation), chunk_elements=1024)
+    for r in results:
+        assert not isinstance(r, BaseException), r
+        assert torch.equal(r.tensor, results[0].tensor)
+    got = results[0].tensor
+    if aggregation == "trimmed_mean":
+        assert torch.allclose(got, torch.stack(vectors).median(0).values, rtol=1e-6, atol=1e-6)
+    else:
+        assert got.abs().max() < 20 and got.norm() < 2 * vectors[0].norm()
+
+
+@pytest.mark.timeout(30)
+def test_norm_clip_bounds_a_1e6x_contribution(dhts):
+    """Member 2 sends 1e6 x; clip_norm_ratio 1 cuts it, chunk by chunk, to the lower median norm."""
+    vectors = [torch.randn(4096) for _ in range(3)]
+    vectors[2] = vectors[2] * 1e6
+    _, results = run_group(dhts, vectors, [1.0, 1.0, 1.0], rule=Rule(clip_norm_ratio=1.0), chunk_elements=1024)
+    assert all(not isinstance(r, BaseException) for r in results), results
+    got = results[0].tensor
+    assert got.norm() < vectors[0].norm() + vectors[1].norm()  # the plain mean's norm is ~3e5 x larger
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_audited_honest_group_passes_and_counts_the_audit_bytes(dhts, codec):
+    numel, chunk = 30_000, 2048
+    vectors = [torch.randn(numel) for _ in range(3)]
+    rule = Rule("trimmed_mean", 4.0, 0.5, verify=True)
+    members, results = run_group(dhts, vectors, [1.0, 2.0, 3.0], rule=rule, codec=codec, chunk_elements=chunk)
+    layout = WireLayout([torch.Size([numel])], get_codec(codec), 3, chunk)
+    for me, r in enumerate(results):
+        assert not isinstance(r, BaseException), r
+        assert torch.equal(r.tensor, results[0].tensor)
+        # on top of the all-reduce's bytes: one fetched chunk from each of the 2 others for each of the 2
+        # other parts (4 at most 2048 elements each), and 3 x 16 bytes of digests per result chunk taken
+        others = [j for j in range(3) if j != me]
+        digests = 48 * sum(len(layout.chunks(j)) for j in others)
+        base = layout.member_wire_bytes(me) + digests
+        frames = 5 * (2 * len(layout.chunks(0)) * 3 + 20)
+        assert base + 2 * 2 * 64 <= r.traffic.received <= base + 4 * layout.codec.wire_bytes(chunk) + frames + 500
+    if codec == "none":  # trimmed mean of 3: the coordinate-wise median
+        assert torch.allclose(results[0].tensor, torch.stack(vectors).median(0).values, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.timeout(40)
+def test_an_owner_returning_a_wrong_average_is_named(dhts):
+    """Member 0 adds 1e-3 to one chunk of its part's average (on every member, itself included): every
+    member that audits that chunk names it, and with verify_parts nobody returns the wrong average."""
+    codec = get_codec("none")
+
+    def lie(group, k, payload):
+        if k != 0:
+            return payload
+        return codec.encode(codec.decode(payload, len(payload) // 4) + 1e-3)
+    vectors = [torch.randn(3000) for _ in range(3)]  # one chunk per part: every audit picks the lie
+    members, results = run_group(dhts, vectors, [1.0, 1.0, 1.0], rule=Rule(verify=True),
+                                 hooks={0: {"on_result": lie}}, stall=5.0)
+    assert all(isinstance(r, AllReduceFailed) for r in results), results
+    for r in results[1:]:  # each found it itself (a groupmate's word would name nobody)
+        assert f"owner {members[0]} returned a wrong average" in str(r) and r.culprit == members[0], results
+    assert isinstance(results[0], AllReduceFailed)  # the liar is refused too: the others' FAIL reached it
+
+
+@pytest.mark.timeout(30)
+def test_a_weight_other_than_announced_is_refused_naming_its_sender(dhts, monkeypatch):
+    """Member 1 announced 7 samples (the weights every member holds) but says 7e6 in its HELLOs."""
+    send_control = allreduce.Channel.send_control
+
+    async def lying(self, kind, value):
+        if value.get("weight") == 7.0:
+            value = dict(value, weight=7e6)
+        await send_control(self, kind, value)
+    monkeypatch.setattr(allreduce.Channel, "send_control", lying)
+    members, results = run_group(dhts, [torch.randn(3000) for _ in range(3)], [1.0, 7.0, 1.0], stall=3.0)
+    for i in (0, 2):
+        assert isinstance(results[i], AllReduceFailed) and results[i].culprit == members[1], results
+        assert "sent weight 7000000.0, not the 7.0 it announced" in str(results[i])
+
+
+@pytest.mark.timeout(30)
+def test_a_nan_contribution_names_its_sender_as_culprit(dhts, monkeypatch):
+    def encode_unchecked(self, group, chunk):  # a hostile member that skips its own finiteness check
+        return group.layout.codec_of(chunk).encode(allreduce.gather(group.mine.read, chunk))
+    monkeypatch.setattr(allreduce.AllReduce, "_encode_mine", encode_unchecked)
+    vectors = [torch.randn(3000) for _ in range(3)]
+    vectors[1][100] = float("nan")  # in part 0: owner 0 sees it itself
+    members, results = run_group(dhts, vectors, [1.0, 1.0, 1.0], stall=3.0)
+    assert isinstance(results[0], AllReduceFailed) and results[0].culprit == members[1], results
+    assert all(isinstance(r, AllReduceFailed) for r in results)
+
+
+@pytest.mark.timeout(30)
+def test_an_unreadable_hello_names_its_sender(dhts, monkeypatch):
+    send_control = allreduce.Channel.send_control
+
+    async def garbled(self, kind, value):
+        if value.get("weight") == 7.0:  # member 1's HELLOs: 0xc1 is a byte msgpack never uses
+            return await self.send(kind, b"\xc1\xc1\xc1")
+        await send_control(self, kind, value)
+    monkeypatch.setattr(allreduce.Channel, "send_control", garbled)
+    members, results = run_group(dhts, [torch.randn(3000) for _ in range(3)], [1.0, 7.0, 1.0], stall=3.0)
+    for i in (0, 2):
+        assert isinstance(results[i], AllReduceFailed) and results[i].culprit == members[1], results
+        assert "unreadable HELLO" in str(results[i])

@@ -1,0 +1,74 @@
+"""Who a peer averages with (swarm/net/grouping.py): offenders left out, the chunk size agreed."""
+
+import pytest
+from hivemind.p2p import PeerID
+
+from swarm.net import access, grouping
+from swarm.net.access import Access
+from swarm.net.groupstate import AllReduceFailed
+from swarm.net.matchmaking import Group, NoGroup
+
+
+def peer(i: int) -> PeerID:
+    return PeerID(bytes([0, 1, i]))
+
+
+def group(n: int, **meta) -> Group:
+    return Group(b"g" * 16, [peer(i) for i in range(n)], [dict(meta) for _ in range(n)])
+
+
+def test_an_offender_is_left_out_this_round_and_banned_after_two():
+    offenses = grouping.Offenses(Access())
+    g = group(4)
+    assert offenses.exclude(g, round=0) is g
+    offenses.record(peer(2), round=0, reason="NaN")
+    kept = offenses.exclude(g, round=0)
+    assert kept.members == [peer(0), peer(1), peer(3)] and len(kept.metas) == 3
+    assert kept.group_id != g.group_id
+    assert offenses.exclude(g, round=1) is g  # one offense: back in the next round
+    offenses.record(peer(2), round=1, reason="NaN again")
+    assert peer(2) not in offenses.exclude(g, round=5).members  # two: out for the run
+
+
+def test_peers_that_caught_the_same_offender_agree_on_the_new_group_id():
+    a, b = grouping.Offenses(Access()), grouping.Offenses(Access())
+    for o in (a, b):
+        o.record(peer(1), round=3, reason="bad length")
+    assert a.exclude(group(3), 3).group_id == b.exclude(group(3), 3).group_id
+
+
+def test_only_offenders_left_means_no_group():
+    offenses = grouping.Offenses(Access())
+    offenses.record(peer(1), round=0, reason="x")
+    with pytest.raises(NoGroup) as e:
+        offenses.exclude(group(2), round=0)
+    assert e.value.left is not None
+
+
+def test_memory_of_offenders_is_bounded(monkeypatch):
+    monkeypatch.setattr(access, "MAX_TRACKED", 3)
+    offenses = grouping.Offenses(Access())
+    for i in range(10):
+        offenses.record(peer(i), round=0, reason="x")
+    assert len(offenses.access._offenses) == 3
+
+
+def test_strangers_to_a_private_swarm_are_left_out():
+    offenses = grouping.Offenses(Access(frozenset(str(peer(i)) for i in (0, 1, 3))))
+    kept = offenses.exclude(group(4), round=0)
+    assert kept.members == [peer(0), peer(1), peer(3)]
+    assert [e["event"] for e in offenses.access.events] == []  # a stranger is refused, not an offender
+
+
+@pytest.mark.parametrize("chunks, agreed", [([2**18, 2**17, 2**18], 2**17), ([2**10, 2**10], 2**10)])
+def test_agreed_chunk_is_the_smallest(chunks, agreed):
+    g = Group(b"g" * 16, [peer(i) for i in range(len(chunks))], [{"chunk": c} for c in chunks])
+    assert grouping.agreed_chunk(g) == agreed
+
+
+@pytest.mark.parametrize("bad", [None, 3000, 2**30, 2.0**17, True, "131072", 2**9])
+def test_agreed_chunk_names_a_member_asking_for_nonsense(bad):
+    g = Group(b"g" * 16, [peer(0), peer(1)], [{"chunk": 2**17}, {"chunk": bad}])
+    with pytest.raises(AllReduceFailed) as e:
+        grouping.agreed_chunk(g)
+    assert e.value.culprit == peer(1)
