@@ -5,7 +5,8 @@ overridden: anything else would make this peer run another run, exit 2 naming th
 the run's manifest through a short-lived client DHT (swarm/net/manifest.py; waits at most
 `swarm.bootstrap_timeout`, exit 1 naming the run and the DHT asked if no manifest answers, or why the one
 found is refused), then starts a peer exactly like `swarm peer` (peers/node.py) on the manifest's config with
-the overrides applied.
+the overrides applied (with `--nproc-per-node K`: `swarm peer` under torchrun, on that config written to
+`<out>/config.yaml`).
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import logging
 import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
+import yaml
 from hivemind.utils.timed_storage import get_dht_time
 
 from swarm.config import Config, SwarmConfig, config_from_dict, is_per_peer, live_window, load_config, parse_overrides
@@ -85,6 +88,13 @@ def joined_config(run_id: str, initial_peers: list[str], overrides: list[str]) -
     log.info("run %r: manifest of fingerprint %s, created by %s, signed by %d peer(s)", run_id,
              choice.record.fingerprint, choice.record.creator, len(choice.signers))
     return config_from_dict(_merge(json.loads(json.dumps(choice.shared)), parsed))
+
+
+def write_config(cfg: Config, path: Path) -> Path:
+    """`cfg` as a YAML config file (`swarm join --nproc-per-node K` hands it to `swarm peer` under torchrun)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return path
 
 
 @dataclass

@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="multiaddrs of peers in the swarm")
     join.add_argument("--name", default=None, help="peer name (default: hostname-pid); picks the data shard")
     join.add_argument("--out", default=None, help="run folder (default: runs/<run>-join-<time>)")
+    join.add_argument("--nproc-per-node", type=int, default=1, metavar="K",
+                      help="train this peer with K processes (DDP; one per GPU): the manifest's config is written to "
+                           "<out>/config.yaml and `swarm peer` runs it under torchrun")
 
     runs = sub.add_parser("runs", help="list the runs a DHT advertises: round, live peers, model size")
     runs.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR",
@@ -122,11 +125,17 @@ def run(argv: list[str]) -> int:
 
         return run_runs(args.initial_peers, SwarmConfig().bootstrap_timeout)
     if args.command == "join":
-        from peers.join import joined_config
+        from peers.join import joined_config, write_config
         from peers.node import run_peer
 
         cfg = joined_config(args.run, args.initial_peers, rest)
-        path = run_peer(cfg, _out_dir(args.out, cfg, "join"), args.name)
+        out = _out_dir(args.out, cfg, "join")
+        if args.nproc_per_node != 1:
+            check(cfg, args.nproc_per_node)
+            name = ["--name", args.name] if args.name else []
+            _exec_torchrun(args.nproc_per_node, ["peer", "--config", str(write_config(cfg, out / "config.yaml")),
+                                                 "--out", str(out), *name])
+        path = run_peer(cfg, out, args.name)
         print(f"wrote {path} and {path.parent / 'loss.png'}")
         return 0
 

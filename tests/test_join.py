@@ -12,9 +12,9 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils.serializer import MSGPackSerializer
 from pydantic.v1 import ValidationError
 
-from peers.join import _count, check_overrides, describe_run, format_runs
+from peers.join import _count, check_overrides, describe_run, format_runs, write_config
 from peers.local_swarm import spawn_child
-from swarm.config import PER_PEER_KEYS, Config, config_from_dict, is_per_peer
+from swarm.config import PER_PEER_KEYS, Config, config_from_dict, is_per_peer, load_config
 from swarm.errors import UsageError
 from swarm.model import build_model, count_parameters
 from swarm.net import schema
@@ -144,6 +144,12 @@ def test_join_overrides_only_per_peer_keys():
         check_overrides("r", ["--diloco.threads", "2", "--model.hidden_size", "64"])
     with pytest.raises(UsageError, match="swarm join takes no --config"):
         check_overrides("r", ["--config", "configs/tiny.yaml"])
+
+
+def test_a_joined_config_written_for_torchrun_reloads_the_same(tmp_path):
+    cfg = tiny_config(swarm={"initial_peers": ["/ip4/1.2.3.4/tcp/5/p2p/QmX"]}, inner={"eps": 1e-8})
+    path = write_config(cfg, tmp_path / "out" / "config.yaml")
+    assert load_config(path).to_dict() == cfg.to_dict()
 
 
 def test_describe_run_takes_majorities():
