@@ -1,6 +1,8 @@
 """`swarm peer`: one training peer in a swarm, started from `--initial-peers` or starting a new swarm.
 
-Besides training it writes, into its run folder, `status.json` (round, inner step, loss; refreshed
+After it signed the run's fingerprint and built its model it stores, where the run needs more copies, the
+run's manifest and its entry in the run index (swarm/net/manifest.py: what `swarm join` and `swarm runs`
+read). Besides training it writes, into its run folder, `status.json` (round, inner step, loss; refreshed
 about once a second, for `swarm local`'s live view), `peer.json` (this peer's summary entry) and
 `summary.json`. SIGTERM and SIGINT end it cleanly (exit 143 and 130): the DHT and averager shut down, the
 last committed round's checkpoint is finished on disk, and `peer.json` and `summary.json` say where it stopped.
@@ -88,8 +90,10 @@ def write_rank(out_dir: Path, ranks: Ranks, trainer: Trainer) -> None:
 
 
 def _run_endpoint(cfg: Config, out_dir: Path, name: Optional[str], ranks: Ranks) -> Path:
+    from swarm.model import count_parameters
     from swarm.net.dht import start_dht, visible_maddrs
     from swarm.net.identity import load_identity
+    from swarm.net.manifest import publish as publish_manifest
     from swarm.net.peer import SwarmAverager
 
     start = time.time()
@@ -121,6 +125,10 @@ def _run_endpoint(cfg: Config, out_dir: Path, name: Optional[str], ranks: Ranks)
 
         trainer = Trainer(cfg, ranks.averager(averager, networked=True),
                           peer_id=peer_id, shard=shard, out_dir=out_dir, on_round=on_round, ranks=ranks)
+
+        # Before train(): the heartbeat stores nothing until the trainer's first progress, so this thread has
+        # the DHT's pipe to itself.
+        publish_manifest(dht, cfg, identity, count_parameters(trainer.model))
 
         def progress(round_: int, step: int, loss: float) -> None:
             status.update(name=name, peer_id=peer_id, state="training", round=round_, step=step, loss=loss)

@@ -1,4 +1,4 @@
-"""The `swarm` command: `peer`, `sim`, `local`, `bootstrap`, `monitor`.
+"""The `swarm` command: `peer`, `join`, `runs`, `sim`, `local`, `bootstrap`, `monitor`.
 
 Config overrides follow the named flags as dotted keys: `--inner.lr 3e-4` or `inner.lr=3e-4`.
 Every failure ends with one line on stderr (`swarm: error: ...`) and a non-zero exit: 2 for bad input
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from swarm.config import Config, ConfigError, load_config
+from swarm.config import Config, ConfigError, SwarmConfig, load_config
 from swarm.errors import SwarmError, UsageError, exit_code
 
 
@@ -34,6 +34,20 @@ def _parser() -> argparse.ArgumentParser:
     peer.add_argument("--out", default=None, help="run folder (default: runs/<run>-<time>)")
     peer.add_argument("--nproc-per-node", type=int, default=1, metavar="K",
                       help="train this peer with K processes (DDP; one per GPU), launched with torchrun")
+
+    join = sub.add_parser("join", help="run one training peer in a run found by name (its config from the DHT)")
+    join.add_argument("run", help="the run's id (swarm.run_id); `swarm runs` lists them")
+    join.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR",
+                      help="multiaddrs of peers in the swarm")
+    join.add_argument("--name", default=None, help="peer name (default: hostname-pid); picks the data shard")
+    join.add_argument("--out", default=None, help="run folder (default: runs/<run>-join-<time>)")
+    join.add_argument("--nproc-per-node", type=int, default=1, metavar="K",
+                      help="train this peer with K processes (DDP; one per GPU): the manifest's config is written to "
+                           "<out>/config.yaml and `swarm peer` runs it under torchrun")
+
+    runs = sub.add_parser("runs", help="list the runs a DHT advertises: round, live peers, model size")
+    runs.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR",
+                      help="multiaddrs of peers in the swarm")
 
     sim = sub.add_parser("sim", help="M replicas in one process, averaged in memory")
     sim.add_argument("--config", required=True)
@@ -103,6 +117,27 @@ def run(argv: list[str]) -> int:
         cfg = load_config(args.config, [*rest, "--swarm.initial_peers", *args.initial_peers,
                                         "--swarm.run_id", args.run])
         return run_monitor(cfg.swarm, args.host, args.port)
+
+    if args.command == "runs":
+        if rest:
+            raise UsageError(f"unknown argument {rest[0]!r}")
+        from peers.join import run_runs
+
+        return run_runs(args.initial_peers, SwarmConfig().bootstrap_timeout)
+    if args.command == "join":
+        from peers.join import joined_config, write_config
+        from peers.node import run_peer
+
+        cfg = joined_config(args.run, args.initial_peers, rest)
+        out = _out_dir(args.out, cfg, "join")
+        if args.nproc_per_node != 1:
+            check(cfg, args.nproc_per_node)
+            name = ["--name", args.name] if args.name else []
+            _exec_torchrun(args.nproc_per_node, ["peer", "--config", str(write_config(cfg, out / "config.yaml")),
+                                                 "--out", str(out), *name])
+        path = run_peer(cfg, out, args.name)
+        print(f"wrote {path} and {path.parent / 'loss.png'}")
+        return 0
 
     overrides = list(rest)
     if getattr(args, "initial_peers", None):

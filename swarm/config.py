@@ -239,6 +239,27 @@ class Config:
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
 
 
+PER_PEER_KEYS = frozenset({
+    "diloco.device", "diloco.global_device", "diloco.threads",
+    "inner.micro_batch_size", "inner.activation_checkpointing",
+    "data.shard",
+    "swarm.identity", "swarm.host_maddrs", "swarm.announce_maddrs", "swarm.client_mode", "swarm.initial_peers",
+    "swarm.bootstrap_timeout",
+    "checkpoint", "logging", "faults",
+})
+"""Keys (dotted, or a whole section) that are this peer's own business: where and how fast it computes, its
+address and key, its files, its fault injection. Everything else is the run's: a run's manifest
+(swarm/net/manifest.py) holds the config without these, and `swarm join` lets a peer override only these.
+`inner.micro_batch_size` and `inner.activation_checkpointing` change memory, not the step (up to float
+rounding); `inner.precision` changes the step's arithmetic, so it is the run's. `swarm.bootstrap_timeout`
+bounds only this peer's own start-up on its own link."""
+
+
+def is_per_peer(key: str) -> bool:
+    """Whether dotted `key` (e.g. "checkpoint.dir") is one of PER_PEER_KEYS or inside one of its sections."""
+    return key in PER_PEER_KEYS or key.partition(".")[0] in PER_PEER_KEYS
+
+
 def live_window(s: SwarmConfig) -> float:
     """A peer whose progress record was not refreshed for this long is gone: its heartbeat re-stores it every
     `progress_interval`, and one store may take up to `request_timeout`."""

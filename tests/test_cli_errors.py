@@ -6,6 +6,7 @@ import time
 import pytest
 
 from tests.conftest import run_cli
+from tests.swarm_harness import local_swarm
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -104,3 +105,61 @@ def test_local_monitor_port_in_use_exits_1_naming_the_port():
         result = run_cli("local", "--config", "configs/tiny.yaml", "--peers", "1", "--monitor-port", str(port))
     assert result.returncode == 1
     assert f"port {port}" in one_line_error(result)
+
+
+@pytest.fixture(scope="module")
+def bootstrap(tmp_path_factory):
+    """A bootstrap DHT holding no run but what a test stores; its multiaddr."""
+    with local_swarm(tmp_path_factory.mktemp("bootstrap")) as swarm:
+        yield swarm.start_bootstrap()
+
+
+def test_join_overriding_a_run_key_exits_2_naming_it():
+    result = run_cli("join", "swarm-tiny", "--initial-peers", f"/ip4/127.0.0.1/tcp/1/p2p/{SOME_ID}",
+                     "--diloco.threads", "1", "--model.hidden_size", "64")
+    assert result.returncode == 2
+    assert "cannot override model.hidden_size when joining run 'swarm-tiny'" in one_line_error(result)
+
+
+def test_join_a_run_nobody_holds_exits_1_naming_the_run_and_the_dht(bootstrap):
+    start = time.time()
+    result = run_cli("join", "no-such-run", "--initial-peers", bootstrap, "--swarm.bootstrap_timeout", "5")
+    assert result.returncode == 1
+    line = one_line_error(result)
+    assert "no manifest of run 'no-such-run'" in line and bootstrap in line
+    assert time.time() - start < 40
+
+
+def test_join_a_manifest_this_version_cannot_read_exits_1_naming_why(bootstrap):
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from swarm.config import SwarmConfig
+    from swarm.net import schema
+    from swarm.net.dht import start_dht
+    from swarm.net.identity import load_identity
+    from swarm.net.manifest import shared_config
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(swarm={"run_id": "future-run"})
+    shared = shared_config(cfg)
+    shared["model"]["flash"] = True  # a key a newer version knows
+    identity = load_identity(None)
+    dht = start_dht(SwarmConfig(run_id="future-run", initial_peers=[bootstrap]), identity,
+                    fingerprint=cfg.fingerprint())  # signs the run's fingerprint
+    try:
+        now = get_dht_time()
+        assert dht.store(schema.manifest_key("future-run"), schema.ManifestRecord(
+            config=shared, fingerprint=cfg.fingerprint(), creator=str(identity.peer_id), time=now,
+            version=schema.MANIFEST_VERSION).dict(), subkey=identity.owner, expiration_time=now + 600)
+        result = run_cli("join", "future-run", "--initial-peers", bootstrap, "--swarm.bootstrap_timeout", "10")
+    finally:
+        dht.shutdown()
+    assert result.returncode == 1
+    assert ("manifest of run 'future-run' refused: this version cannot read its config (unknown config key "
+            "'model.flash')") in one_line_error(result)
+
+
+def test_runs_in_a_dht_without_runs_says_so(bootstrap):
+    result = run_cli("runs", "--initial-peers", bootstrap)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == f"no runs advertised in the DHT of {bootstrap}"

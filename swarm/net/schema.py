@@ -23,6 +23,19 @@ peer id from that key, so a peer can only ever speak for itself.
   (`Config.fingerprint()`) each peer joined with, what peers must share to average together. A peer whose
   fingerprint differs from the one most peers of the run signed refuses to join (dht.py).
 
+- `{run_id}_manifest`  dictionary, subkey = owner marker, value = `ManifestRecord.dict()`: the run's config
+  without the per-peer keys (`config.PER_PEER_KEYS`), what `swarm join RUN` starts a peer from. The peer
+  that creates the run stores it; a later peer whose own config equals the chosen manifest's re-stores it
+  under its own key while fewer than `MANIFEST_COPIES` peers hold it, so it outlives the creator. Signed
+  like every record; a reader believes only a manifest whose fingerprint is the run's (the majority of
+  `{run_id}_run`) and whose config reproduces it (swarm/net/manifest.py). Kept `RUN_RECORD_EXPIRATION`.
+- `swarm_runs` (`INDEX_KEY`, the one key outside any run's prefix) dictionary, subkey = owner marker, value =
+  `IndexRecord.dict()` {run_id, fingerprint, params, time}: the runs this DHT knows, for `swarm runs` (a
+  Kademlia DHT cannot be listed). The creator of an open run stores an entry, later peers re-store theirs
+  while fewer than `INDEX_COPIES` entries name their run; one entry per peer key (a key in two runs keeps
+  only its latest). A private swarm (`swarm.auth: allowlist`) does not advertise itself. Kept
+  `RUN_RECORD_EXPIRATION`; `swarm runs` shows at most `MAX_RUNS_SHOWN` runs, live ones first.
+
 Matchmaking keys are hivemind's own (`{run_id}_{fingerprint}.0b<round bits>`, see matchmaking.py);
 P2P stream names are built by `handler_name()`.
 
@@ -31,16 +44,27 @@ Numbers use strict pydantic types: `SchemaValidator` rejects any record that nee
 
 from __future__ import annotations
 
+import json
 import math
 import re
-from typing import Optional, Union
+from typing import Any, Optional
 
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import SchemaValidator, conbytes
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.serializer import MSGPackSerializer
-from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictStr, ValidationError, confloat, conint, constr
+from pydantic.v1 import (
+    BaseModel,
+    StrictBool,
+    StrictFloat,
+    StrictStr,
+    ValidationError,
+    confloat,
+    conint,
+    constr,
+    validator,
+)
 
 from swarm.net.identity import Identity, owner_peer_id
 
@@ -90,10 +114,55 @@ class RunRecord(BaseModel):
     time: StrictFloat
 
 
+MANIFEST_VERSION = 1
+"""The manifest layout this code writes and reads; a reader refuses a newer one (it may mean other things)."""
+MAX_MANIFEST_BYTES = 16384
+"""A config's JSON is a few KB (configs/llama-1b.yaml: ~2 KB); this bounds what a stranger can make every
+reader parse and every DHT node store."""
+MANIFEST_COPIES = 4  # peers that re-store a run's manifest under their own key: it outlives the creator
+INDEX_KEY = "swarm_runs"
+INDEX_COPIES = 3  # index entries per run: enough to outlive the creator, few enough to keep the index small
+MAX_RUNS_SHOWN = 100  # runs `swarm runs` reads and prints (the index is written by strangers too)
+
+
+class ManifestRecord(BaseModel):
+    """A run's config without the per-peer keys, signed by the peer that stored it."""
+
+    config: dict[StrictStr, dict[StrictStr, Any]]  # Config.to_dict() minus config.PER_PEER_KEYS
+    fingerprint: constr(max_length=64, strict=True)  # Config.fingerprint() of `config`, as its writer says
+    creator: constr(max_length=64, strict=True)  # peer id of the peer that created the run (as the writer knows)
+    time: StrictFloat
+    version: conint(ge=1, strict=True)
+
+    @validator("config")
+    def _bounded(cls, value: dict) -> dict:  # noqa: N805 (pydantic's validator signature)
+        try:
+            size = len(json.dumps(value, allow_nan=False))
+        except (TypeError, ValueError):
+            raise ValueError("config is not plain JSON") from None
+        if size > MAX_MANIFEST_BYTES:
+            raise ValueError(f"config is {size} bytes, over {MAX_MANIFEST_BYTES}")
+        return value
+
+
+class IndexRecord(BaseModel):
+    """One entry of the run index (`INDEX_KEY`): a run this DHT holds, for `swarm runs`."""
+
+    run_id: constr(min_length=1, max_length=128, strict=True)
+    fingerprint: constr(max_length=64, strict=True)
+    params: conint(ge=0, strict=True)  # the model's parameter count
+    time: StrictFloat
+
+
 class RunSchema(BaseModel):
     progress: dict[Owner, Optional[ProgressRecord]]
     commits: dict[Owner, Optional[CommitRecord]]
     run: dict[Owner, Optional[RunRecord]]
+    manifest: dict[Owner, Optional[ManifestRecord]]
+
+
+class IndexSchema(BaseModel):
+    swarm_runs: dict[Owner, Optional[IndexRecord]]
 
 
 def watched(loss: Optional[float] = None, tokens_per_s: Optional[float] = None, bytes_sent: Optional[int] = None,
@@ -123,6 +192,10 @@ def run_key(run_id: str) -> str:
     return f"{run_id}_run"
 
 
+def manifest_key(run_id: str) -> str:
+    return f"{run_id}_manifest"
+
+
 def _safe(text: str) -> str:
     """hivemind group keys and handler names must not contain '.' (GROUP_PATTERN in key_manager.py)."""
     return re.sub(r"[^A-Za-z0-9_-]", "_", text)
@@ -145,7 +218,7 @@ class AllowlistValidator(RecordValidatorBase):
     def __init__(self, run_id: str, allowed: frozenset[str]):
         self.allowed = allowed
         self.keys = {DHTID.generate(source=key(run_id)).to_bytes()
-                     for key in (progress_key, commits_key, run_key)}
+                     for key in (progress_key, commits_key, run_key, manifest_key)}
 
     def validate(self, record: DHTRecord) -> bool:
         if record.key not in self.keys:
@@ -163,13 +236,14 @@ class AllowlistValidator(RecordValidatorBase):
 
 def validators(run_id: str, identity: Identity, allowed: Optional[frozenset[str]] = None) -> list[RecordValidatorBase]:
     """Schema (types, owner-marker subkeys) and signatures for every record; with `allowed`, owners too."""
-    out = [SchemaValidator(RunSchema, allow_extra_keys=True, prefix=run_id), identity.validator()]
+    out = [SchemaValidator(RunSchema, allow_extra_keys=True, prefix=run_id),
+           SchemaValidator(IndexSchema, allow_extra_keys=True), identity.validator()]
     if allowed is not None:
         out.append(AllowlistValidator(run_id, allowed))
     return out
 
 
-def parse(model: type[BaseModel], value: object) -> Optional[Union[ProgressRecord, CommitRecord, RunRecord]]:
+def parse(model: type[BaseModel], value: object) -> Optional[BaseModel]:
     """A record of `model` from a DHT value, or None if it does not fit the schema."""
     try:
         return model.parse_obj(value)
