@@ -14,7 +14,8 @@ from typing import Any, Optional
 import torch
 import yaml
 
-from swarm.config import Config, load_config
+from swarm.config import Config
+from swarm.configfile import load_config
 from swarm.data import TrainBatches, load_corpus
 from swarm.inner import evaluate, lr_lambda
 from swarm.model import build_model

@@ -27,7 +27,7 @@ PEERS = 4
 
 
 def real_pseudo_gradient(steps: int) -> list[torch.Tensor]:
-    from swarm.config import load_config
+    from swarm.configfile import load_config
     from swarm.data import TrainBatches, load_corpus
     from swarm.model import build_model
 

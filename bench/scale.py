@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from bench.common import REPO, md_table, stamp
-from swarm.config import load_config
+from swarm.configfile import load_config
 from swarm.data import load_corpus
 from swarm.model import build_model, count_parameters
 

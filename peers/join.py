@@ -25,7 +25,8 @@ from typing import Any, Optional
 import yaml
 from hivemind.utils.timed_storage import get_dht_time
 
-from swarm.config import Config, SwarmConfig, config_from_dict, is_per_peer, live_window, load_config, parse_overrides
+from swarm.config import Config, SwarmConfig, is_per_peer, live_window
+from swarm.configfile import config_from_dict, load_config, parse_overrides
 from swarm.errors import SwarmError, UsageError
 from swarm.net import policy, schema
 from swarm.net.dht import run_fingerprint

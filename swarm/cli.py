@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from swarm.config import Config, ConfigError, SwarmConfig, load_config
+from swarm.config import Config, ConfigError, SwarmConfig
+from swarm.configfile import load_config
 from swarm.errors import SwarmError, UsageError, exit_code
 
 

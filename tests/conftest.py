@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from swarm.config import Config, load_config
+from swarm.config import Config
+from swarm.configfile import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -2,7 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from swarm.config import ConfigError, load_config, parse_overrides
+from swarm.config import ConfigError
+from swarm.configfile import load_config, parse_overrides
 from tests.conftest import ROOT, run_cli
 
 pytestmark = pytest.mark.timeout(60)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from swarm import data
-from swarm.config import load_config
+from swarm.configfile import load_config
 from swarm.errors import UsageError
 
 

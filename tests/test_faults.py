@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from swarm.config import load_config
+from swarm.configfile import load_config
 from swarm.net.budget import round_deadline
 from tests.conftest import ROOT
 from tests.swarm_harness import SMALL, local_swarm

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from swarm.averaging import SoloAverager
-from swarm.config import ConfigError, load_config
+from swarm.config import ConfigError
+from swarm.configfile import load_config
 from swarm.inner import autocast
 from swarm.trainer import Trainer
 from tests.conftest import ROOT, resumed_after, tiny_config

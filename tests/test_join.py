@@ -14,7 +14,8 @@ from pydantic.v1 import ValidationError
 
 from peers.join import _count, check_overrides, describe_run, format_runs, write_config
 from peers.local_swarm import spawn_child
-from swarm.config import PER_PEER_KEYS, Config, config_from_dict, is_per_peer, load_config
+from swarm.config import PER_PEER_KEYS, Config, is_per_peer
+from swarm.configfile import config_from_dict, load_config
 from swarm.errors import UsageError
 from swarm.model import build_model, count_parameters
 from swarm.net import schema

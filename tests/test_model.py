@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from swarm.config import ConfigError, load_config
+from swarm.config import ConfigError
+from swarm.configfile import load_config
 from swarm.errors import UsageError
 from swarm.model import build_model
 from tests.conftest import tiny_config

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm.config import load_config
+from swarm.configfile import load_config
 from swarm.errors import UsageError
 from swarm.ranks import Ranks, check
 from tests.conftest import ROOT, run_cli

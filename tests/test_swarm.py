@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from swarm.averaging import weighted_mean
-from swarm.config import load_config
+from swarm.configfile import load_config
 from tests.conftest import ROOT
 from tests.swarm_harness import local_swarm
 

@@ -30,7 +30,8 @@ import hivemind
 from hivemind.utils.timed_storage import get_dht_time
 from pydantic.v1 import BaseModel, ValidationError
 
-from swarm.config import PER_PEER_KEYS, Config, ConfigError, config_from_dict, is_per_peer
+from swarm.config import PER_PEER_KEYS, Config, ConfigError, is_per_peer
+from swarm.configfile import config_from_dict
 from swarm.errors import SwarmError
 from swarm.net import schema
 from swarm.net.dht import run_fingerprint
