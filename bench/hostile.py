@@ -44,7 +44,8 @@ def outcome(run: dict) -> dict:
     """What the honest peers got: rounds committed, one hash, samples per committed round, final eval loss, and
     the events in which they refused someone."""
     summary = run["summary"] or {"peers": [], "events": []}
-    honest = [p for p in summary["peers"] if "hostile" not in p]
+    # the same peers in every run: all but peer ATTACKER (honest in the unattacked run), plus any joiner
+    honest = [p for p in summary["peers"] if "hostile" not in p and p.get("name") != f"peer-{ATTACKER}"]
     attacker_ids = {p["peer_id"] for p in summary["peers"] if "hostile" in p}
     committed = [[r for r in p["rounds"] if r["committed"]] for p in honest]
     seq_len = summary["config"]["data"]["seq_len"] if run["summary"] else 1
@@ -62,16 +63,23 @@ def outcome(run: dict) -> dict:
             "eval_loss": statistics.mean(losses) if losses else None, "caught": caught}
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, rerun: bool = True) -> dict:
+    """Each attack's local swarm (or, with `rerun=False`, the table from the runs already on disk)."""
     out_root = REPO / "runs" / ("bench-quick" if quick else "bench") / "hostile"
     out_root.mkdir(parents=True, exist_ok=True)
     attacks = ["forge-progress", "huge"] if quick else list(ATTACKS)
-    base = outcome(local_swarm(out_root / "none", None))
+
+    def swarm(name: str, hostile: Optional[str]) -> dict:
+        if rerun:
+            return local_swarm(out_root / name, hostile)
+        path = out_root / name / "summary.json"
+        return {"rc": 0, "wall_s": 0.0, "summary": json.loads(path.read_text()) if path.exists() else None}
+    base = outcome(swarm("none", None))
     rows, results = [], {"none": base}
     rows.append(["none", f"{base['rounds']}/4", base["one_hash"], f"{base['samples_per_round']:.0f} (100%)",
                  f"{base['eval_loss']:.4f}" if base["eval_loss"] else "-", "-", "-"])
     for attack in attacks:
-        got = outcome(local_swarm(out_root / attack, attack))
+        got = outcome(swarm(attack, attack))
         results[attack] = got
         share = got["samples_per_round"] / base["samples_per_round"] if base["samples_per_round"] else 0.0
         loss = got["eval_loss"]
