@@ -151,10 +151,10 @@ class SwarmAverager(Records, Averager):
                                             "chunk": chunk}),
                     timeout=min(left, 2 * self.cfg.matchmaking_time),
                     expected=position.expected_group if self._averaged_once else None)
-                group = on_majority_base(group, base)
-                if (kept := self._offenses.exclude(group, round)) is not group:
+                if (kept := self._offenses.exclude(group, round)) is not group:  # first: their meta is unread
                     self._abandon(group.group_id, group.members, "offenders left out")  # whoever runs it
                     group = kept
+                group = on_majority_base(group, base)
             except OtherBase as e:
                 return RoundOutcome(None, comm_s=time.monotonic() - start, behind=True, donors=e.donors,
                                     note=str(e))

@@ -72,3 +72,13 @@ def test_agreed_chunk_names_a_member_asking_for_nonsense(bad):
     with pytest.raises(AllReduceFailed) as e:
         grouping.agreed_chunk(g)
     assert e.value.culprit == peer(1)
+
+
+def test_a_banned_members_garbage_base_is_never_read():
+    """Offenders go first: their metadata (here an unhashable `base`) is not read by the majority vote."""
+    offenses = grouping.Offenses(Access())
+    offenses.record(peer(2), round=0, reason="garbage")
+    offenses.record(peer(2), round=0, reason="garbage")
+    g = Group(b"g" * 16, [peer(i) for i in range(3)], [{"base": "a"}, {"base": "a"}, {"base": ["x"]}])
+    kept = grouping.on_majority_base(offenses.exclude(g, round=1), "a")
+    assert kept.members == [peer(0), peer(1)]
