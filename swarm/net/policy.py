@@ -103,7 +103,7 @@ def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
     live_ids = {r.peer_id for r in progress if is_live(r, now, window)}
     progress, commits = plausible(me, progress, commits, now, window)
     ignored = tuple(sorted(claimed - {r.peer_id for r in progress} - set(commits)))
-    unsure = len(live_ids & set(ignored))  # live, at some round it does not tell: it may join our group
+    unsure = len(live_ids - {r.peer_id for r in progress})  # live, at a round it does not tell: may join us
     live = [r for r in progress if is_live(r, now, window)]
     tally = votes(progress, commits, now, window)
     swarm_round = max([round, *tally])

@@ -116,3 +116,10 @@ def test_a_live_peer_with_an_implausible_claim_still_counts_for_the_group_size()
     me, mates = progress(ME, 3), [progress("p", 3), progress("q", 2)]
     position = assess(ME, 3, A, [me, *mates, progress("evil", FORGED, C)], {}, NOW, WINDOW)
     assert position.expected_group == 4 and position.ignored == ("evil",)
+
+
+def test_a_forger_with_a_plausible_commit_still_counts_for_the_group_size():
+    """Its progress record claims round 2**40 but its commit record is at our round: it is live and may join."""
+    me, mates = progress(ME, 3), [progress("p", 3), progress("q", 3)]
+    position = assess(ME, 3, A, [me, *mates, progress("evil", FORGED, C)], {"evil": commit(3)}, NOW, WINDOW)
+    assert position.expected_group == 4
