@@ -10,6 +10,7 @@ eval loss within 2%.
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -33,6 +34,7 @@ def local_swarm(out: Path, hostile: Optional[str], timeout: float = 900) -> dict
     argv = [sys.executable, "-m", "swarm.cli", "local", "--config", "configs/tiny.yaml", "--peers", str(PEERS),
             "--out", str(out), "--no-monitor", *RUN, *EXTRA.get(hostile, []),
             *(["--hostile", f"{hostile}@{ATTACKER}"] if hostile else [])]
+    shutil.rmtree(out, ignore_errors=True)  # a run left there would resume from its checkpoints
     start = time.time()
     with open(out.with_suffix(".log"), "w") as log:
         proc = subprocess.run(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
