@@ -21,8 +21,9 @@ function itself does no I/O, so it is tested over tables of records (tests/net/t
 Claims are believed only within bounds (`plausible`), since any stranger may sign records: a round more
 than one past the lower median of the other live peers' rounds (with no other peer live, of the others'
 last commits) is ignored, so a forger claiming round 2**40 is neither followed nor taken as a donor; and
-others are `ready` (this peer stops its inner steps early to meet them) only when most live groupmates
-say so, so one peer claiming readiness from the start of every round cannot cut everyone's rounds short.
+others are `ready` (this peer stops its inner steps early to meet them) only when most live peers that may
+average this round say so, so one peer claiming readiness from the start of every round cannot cut
+everyone's rounds short.
 Both hold while honest peers are the majority of the peers one reads; a private swarm
 (`swarm.auth: allowlist`) keeps strangers out altogether.
 """
@@ -52,7 +53,7 @@ class Position:
     swarm_sha256: Optional[str]  # that round's winning hash
     expected_group: Optional[int]  # live peers that may average our round, us included (None: unsure)
     donors: tuple[str, ...] = ()  # BEHIND / DIVERGED: peer ids to take the state from, best first
-    others_ready: bool = False  # most live peers at our round and hash finished their inner steps
+    others_ready: bool = False  # most live peers that may average our round finished their inner steps
     note: str = ""
     ignored: tuple[str, ...] = ()  # peers whose round claims were implausible (see `plausible`)
 
@@ -129,7 +130,9 @@ def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
                         note=f"{here[majority]} of {here.total()} live peers at round {round} hold other "
                              f"global parameters than ours", ignored=ignored)
     mates = [r for r in others if r.round == round and r.sha256 in (sha256, "")]
-    ready = 2 * sum(r.ready for r in mates) > len(mates)
+    # most of the others that may average this round (those still showing the round before count as not
+    # ready: right after a commit, a forger claiming readiness may be the only one showing the new round)
+    ready = 2 * sum(r.ready for r in mates) > expected - 1
     if not mates:
         return Position(Verdict.ALONE, swarm_round, swarm_sha, expected, note="alone", ignored=ignored)
     return Position(Verdict.AVERAGE, swarm_round, swarm_sha, expected, others_ready=ready,

@@ -123,3 +123,9 @@ def test_a_forger_with_a_plausible_commit_still_counts_for_the_group_size():
     me, mates = progress(ME, 3), [progress("p", 3), progress("q", 3)]
     position = assess(ME, 3, A, [me, *mates, progress("evil", FORGED, C)], {"evil": commit(3)}, NOW, WINDOW)
     assert position.expected_group == 4
+
+
+def test_right_after_a_commit_a_forger_alone_at_the_new_round_is_no_majority():
+    """The others still show the round before (they have not re-published yet): they count as not ready."""
+    me, others = progress(ME, 3), [progress("p", 2), progress("q", 2)]
+    assert not assess(ME, 3, A, [me, *others, progress("evil", 3, ready=True)], {}, NOW, WINDOW).others_ready
