@@ -131,6 +131,9 @@ class SwarmConfig:
     groups, send to the all-reduce or download the state (a private swarm)."""
     allowed_peers: list[str] = field(default_factory=list)  # base58 peer ids (`swarm.auth: allowlist`)
     client_mode: bool = False
+    """True for a peer that cannot be dialed (behind a NAT or a firewall; `swarm peer --client-mode`): it only
+    dials out, averages with the swarm but owns no part of the all-reduce, never leads a group and never serves
+    its state. Every group needs at least one peer that is not a client."""
     target_group_size: int = 64  # a group forms at once when this many peers are ready
     min_group_size: int = 2
     compression: Literal["none", "fp16", "int8", "int4"] = "none"
@@ -392,6 +395,9 @@ def validate(cfg: Config) -> None:
     for peer in s.allowed_peers:
         if not re.fullmatch(r"(Qm|12D3Koo)[1-9A-HJ-NP-Za-km-z]{40,50}", peer):
             raise ConfigError(f"swarm.allowed_peers: {peer!r} is not a peer id (base58, Qm... or 12D3Koo...)")
+    if s.client_mode and s.verify_parts:
+        raise ConfigError("swarm.client_mode: a client cannot be dialed, so it cannot answer the audits of "
+                          "swarm.verify_parts")
     if not s.min_bandwidth > 0:
         raise ConfigError(f"swarm.min_bandwidth must be a positive number of bytes/s, got {s.min_bandwidth}")
     if not 0 <= cfg.diloco.delay < cfg.diloco.inner_steps:

@@ -24,6 +24,10 @@ as they all joined. A peer not yet visible (a newcomer) may miss the group; it t
 and downloads the state. A peer's first group waits the full matchmaking_time: peers started with it may
 not have published a record yet.
 
+A client (`swarm.client_mode`, a peer that cannot be dialed) never leads: hivemind's averager in client mode
+only joins leaders, over the streams it opens to them; a group of clients alone never forms. Its meta says
+`client`, so that it owns no part of the all-reduce (layout.py).
+
 Every member's meta is untrusted: it must fit `GroupMeta` (strict types, bounded sizes) or the group is
 left and the member charged an offense (access.py); a group holding a peer that `Access` refuses (not in
 the allowlist, or banned) is left as well, and as a leader this peer refuses such peers' join requests.
@@ -54,7 +58,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.serializer import MSGPackSerializer
-from pydantic.v1 import BaseModel, ValidationError, confloat, conint, constr
+from pydantic.v1 import BaseModel, StrictBool, ValidationError, confloat, conint, constr
 
 from swarm.config import SwarmConfig
 from swarm.net import schema
@@ -83,6 +87,7 @@ class GroupMeta(BaseModel):
     numel: conint(ge=0, strict=True) = 0  # elements of the vector it averages
     base: schema.Sha256 = ""  # hash of the global parameters its pseudo-gradient starts from
     chunk: Optional[conint(ge=0, strict=True)] = None  # elements per chunk it asks for (grouping.agreed_chunk)
+    client: StrictBool = False  # it cannot be dialed (swarm.client_mode): it owns no part (layout.py)
 
     class Config:
         extra = "forbid"
@@ -219,6 +224,9 @@ class Matchmaker:
         checked = [GroupMeta.parse_obj(m) for m, ok in zip(metas, admitted) if ok]
         if any(m.round != round for m in checked):
             raise NoGroup(f"round {round}: a groupmate sent metadata of another round", alone=False, left=group)
+        if self.cfg.verify_parts and any(m.client for m in checked):  # no honest peer: config.py forbids it
+            raise NoGroup(f"round {round}: a groupmate claims to be a client, which cannot answer the audits of "
+                          f"swarm.verify_parts", alone=False, left=group)
         with self._averager.get_tensors() as tensors:
             got = float(tensors[0])
         unknown = got * len(members) - sum(m.token for m in checked)  # the refused members' tokens together
