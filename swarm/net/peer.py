@@ -123,8 +123,11 @@ class SwarmAverager(Records, Averager):
             raise TimeoutError(f"network call did not finish within {timeout:g} s") from None
 
     async def _start_handlers(self) -> None:
-        await self._allreduce.start()
-        await self._server.start()
+        """Nobody can dial a client, and no honest peer tries: a client offers no handler at all, so a stream
+        opened to it fails at once instead of waiting on a connection that happens to be open."""
+        if not self.cfg.client_mode:
+            await self._allreduce.start()
+            await self._server.start()
 
     # ---- averaging ------------------------------------------------------------------------------------
 
@@ -140,6 +143,9 @@ class SwarmAverager(Records, Averager):
                     if self.cfg.error_feedback and self._codec.lossy else None)
         sent = received = 0
         reason = "the round's deadline is too short for one attempt"
+        meta = {"samples": int(samples), "numel": full.numel, "base": base, "chunk": chunk}
+        if self.cfg.client_mode:  # only then: a peer of an earlier version refuses a meta with keys it lacks
+            meta["client"] = True
         if self.faults.kill_phase == "allreduce" and self.faults.kill_round == round + 1:
             self._allreduce.on_pushed = _die_now
         if self._last_progress is None or self._last_progress[0] != round or not self._last_progress[4]:
@@ -152,8 +158,7 @@ class SwarmAverager(Records, Averager):
                                     donors=list(position.donors), note=position.note)
             try:
                 group = self._matchmaker.form_group(
-                    round, self.hooks.meta({"samples": int(samples), "numel": full.numel, "base": base,
-                                            "chunk": chunk, "client": self.cfg.client_mode}),
+                    round, self.hooks.meta(meta),
                     timeout=min(left, 2 * self.cfg.matchmaking_time),
                     expected=position.expected_group if self._averaged_once else None)
                 group = on_majority_base(group, base)
@@ -320,7 +325,7 @@ class SwarmAverager(Records, Averager):
                        f"still behind: {waiting_for}")
 
     async def _stop_handlers(self) -> None:
-        if hasattr(self, "_server"):
+        if hasattr(self, "_server") and not self.cfg.client_mode:
             await self._allreduce.stop()
             await self._server.stop()
         if hasattr(self, "_p2p"):

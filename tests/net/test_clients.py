@@ -1,16 +1,22 @@
 """Clients (`swarm.client_mode`: peers that cannot be dialed) in a group: they own no part, nobody dials them,
 and they end with the same average as everyone else. The real thing behind a NAT: test_nat.py."""
 
+import concurrent.futures
+import threading
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import run_group, three_dhts
 from hivemind.p2p import PeerID
 
-from swarm.net import grouping
+from swarm.config import SwarmConfig
+from swarm.net import grouping, schema
 from swarm.net.codec import get_codec
 from swarm.net.groupstate import AllReduceFailed
 from swarm.net.layout import WireLayout
 from swarm.net.matchmaking import Group, GroupMeta, _fits
+from swarm.net.peer import SwarmAverager
 
 
 def peer(i: int) -> PeerID:
@@ -94,3 +100,30 @@ def test_verify_parts_refuses_a_group_with_a_client():
         _, results = run_group(dhts, [torch.randn(100) for _ in range(3)], [1.0, 1.0, 1.0], clients=(2,),
                                rule=Rule(verify=True), stall=2.0)
     assert all(isinstance(r, AllReduceFailed) and "verify_parts" in str(r) for r in results), results
+
+
+class _DHT:
+    def __init__(self):
+        self.stored = []
+
+    def store(self, key, value, subkey, expiration_time, return_future):
+        self.stored.append((key, value))
+        done = concurrent.futures.Future()
+        done.set_result(True)
+        return done
+
+
+@pytest.mark.parametrize("client", [True, False])
+def test_a_client_records_its_commits_but_never_serves_its_state(client):
+    published = []
+    averager = SimpleNamespace(cfg=SwarmConfig(client_mode=client, linger_time=0.0), peer_name="home", _owner=b"o",
+                               _dht_lock=threading.Lock(), dht=_DHT(), _server=SimpleNamespace(snapshot=None),
+                               _committed="", publish_progress=lambda *a, **k: published.append(k["sha256"]),
+                               peers=lambda: [])
+    snapshot = SimpleNamespace(round=2, sha256="ab" * 32)
+    SwarmAverager.offer_state(averager, snapshot)
+    assert [(key, value["round"], value["sha256"]) for key, value in averager.dht.stored] == [
+        (schema.commits_key(averager.cfg.run_id), 2, "ab" * 32)]
+    assert averager._server.snapshot is (None if client else snapshot)  # `serves_state` is this, not None
+    SwarmAverager.finish(averager, 2)
+    assert published == ["ab" * 32]  # its final record names the hash it committed
