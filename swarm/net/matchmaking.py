@@ -222,11 +222,8 @@ class Matchmaker:
             raise NoGroup(f"round {round}: malformed matchmaking metadata from {', '.join(bad)}", alone=False,
                           left=group)
         checked = [GroupMeta.parse_obj(m) for m, ok in zip(metas, admitted) if ok]
-        if any(m.round != round for m in checked):
-            raise NoGroup(f"round {round}: a groupmate sent metadata of another round", alone=False, left=group)
-        if self.cfg.verify_parts and any(m.client for m in checked):  # no honest peer: config.py forbids it
-            raise NoGroup(f"round {round}: a groupmate claims to be a client, which cannot answer the audits of "
-                          f"swarm.verify_parts", alone=False, left=group)
+        if (reason := misfit(round, checked, self.cfg.verify_parts)) is not None:
+            raise NoGroup(reason, alone=False, left=group)
         with self._averager.get_tensors() as tensors:
             got = float(tensors[0])
         unknown = got * len(members) - sum(m.token for m in checked)  # the refused members' tokens together
@@ -240,6 +237,15 @@ class Matchmaker:
         if self._averager.is_alive():
             self._averager.shutdown()
         self._averager.join(self.cfg.request_timeout)
+
+
+def misfit(round: int, checked: list[GroupMeta], verify_parts: bool) -> Optional[str]:
+    """Why a group whose admitted members sent `checked` must be left; None if it need not."""
+    if any(m.round != round for m in checked):
+        return f"round {round}: a groupmate sent metadata of another round"
+    if verify_parts and any(m.client for m in checked):  # no honest peer: config.py refuses the two together
+        return f"round {round}: a groupmate claims to be a client, which cannot answer the audits of swarm.verify_parts"
+    return None
 
 
 def _fits(meta: Any) -> bool:

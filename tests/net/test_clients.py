@@ -15,7 +15,7 @@ from swarm.net import grouping, schema
 from swarm.net.codec import get_codec
 from swarm.net.groupstate import AllReduceFailed
 from swarm.net.layout import WireLayout
-from swarm.net.matchmaking import Group, GroupMeta, _fits
+from swarm.net.matchmaking import Group, GroupMeta, _fits, misfit
 from swarm.net.peer import SwarmAverager
 
 
@@ -60,6 +60,13 @@ def test_the_client_flag_in_matchmaking_metadata_is_a_strict_bool():
     meta = dict(round=0, nonce="0" * 16, token=2.0)
     assert GroupMeta.parse_obj(meta).client is False
     assert _fits(dict(meta, client=True)) and not _fits(dict(meta, client=1)) and not _fits(dict(meta, client="true"))
+
+
+def test_a_client_in_a_run_that_audits_is_refused():
+    metas = [GroupMeta(round=4, nonce="0" * 16, token=2.0), GroupMeta(round=4, nonce="1" * 16, token=2.0, client=True)]
+    assert misfit(4, metas, verify_parts=False) is None
+    assert "claims to be a client" in misfit(4, metas, verify_parts=True)
+    assert "another round" in misfit(5, metas, verify_parts=False)
 
 
 @pytest.mark.timeout(60)
