@@ -21,11 +21,13 @@ $(STAMP): pyproject.toml
 swarm: install
 	$(BIN)/swarm local --config configs/tiny.yaml --peers 4
 
-# The headless-browser test of `swarm monitor` (tests/test_monitor_browser.py) needs Debian's chromium: installed
-# here only when it is missing (as root, or through sudo).
+# The headless-browser test of `swarm monitor` (tests/test_monitor_browser.py) needs Debian's chromium, and the
+# NAT test (tests/net/test_nat.py) iptables, for a router namespace that masquerades: each installed here only
+# when it is missing (as root, or through sudo).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 install-system:
 	@command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium; }
+	@command -v iptables >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq iptables; }
 
 test: install install-system
 	$(BIN)/python -m pytest -q

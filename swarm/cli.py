@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="multiaddrs of peers already in the swarm; none: start a new swarm")
     peer.add_argument("--name", default=None, help="peer name (default: hostname-pid); picks the data shard")
     peer.add_argument("--out", default=None, help="run folder (default: runs/<run>-<time>)")
+    peer.add_argument("--client-mode", action="store_true",
+                      help="this peer cannot be dialed (behind a NAT): it averages but owns no part and serves no "
+                           "state (swarm.client_mode)")
     peer.add_argument("--nproc-per-node", type=int, default=1, metavar="K",
                       help="train this peer with K processes (DDP; one per GPU), launched with torchrun")
 
@@ -143,6 +146,8 @@ def run(argv: list[str]) -> int:
     overrides = list(rest)
     if getattr(args, "initial_peers", None):
         overrides += ["--swarm.initial_peers", *args.initial_peers]
+    if getattr(args, "client_mode", False):
+        overrides += ["--swarm.client_mode", "true"]
     if getattr(args, "rounds", None) is not None:
         overrides += ["--diloco.rounds", str(args.rounds)]
     cfg = load_config(args.config, overrides)

@@ -119,6 +119,10 @@ class SwarmConfig:
     groups, send to the all-reduce or download the state (a private swarm)."""
     allowed_peers: list[str] = field(default_factory=list)  # base58 peer ids (`swarm.auth: allowlist`)
     client_mode: bool = False
+    """True for a peer that cannot be dialed (behind a NAT or a firewall; `swarm peer --client-mode`): it only
+    dials out, averages with the swarm but owns no part of the all-reduce, never leads a group and never serves
+    its state. Every group needs at least one peer that is not a client. No libp2p relay is involved: a client
+    needs none to dial out, and a relayed (circuit v2) connection is capped far below a round's bytes."""
     target_group_size: int = 64  # a group forms at once when this many peers are ready
     min_group_size: int = 2
     compression: Literal["none", "fp16", "int8", "int4"] = "none"

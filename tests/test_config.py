@@ -65,6 +65,8 @@ def test_overrides_in_both_forms():
     (["--swarm.clip_norm_ratio", ".inf"], "swarm.clip_norm_ratio"),
     (["--swarm.aggregation", "median"], "swarm.aggregation"),
     (["--swarm.verify_parts", "2"], "swarm.verify_parts"),
+    (["--swarm.client_mode", "true", "--swarm.verify_parts", "true"], "swarm.client_mode: a client cannot be dialed"),
+    (["--swarm.client_mode", "maybe"], "swarm.client_mode"),
     (["--swarm.allreduce_timeout", "60"], "swarm.allreduce_timeout' was replaced by swarm.stall_timeout"),
 ])
 def test_bad_overrides_name_the_culprit(overrides, culprit):

@@ -1,7 +1,8 @@
 """A streamed butterfly all-reduce over raw libp2p streams whose result is bit-identical on every member.
 
 Members are an ordered list of peer ids, the same on every member; member j owns part j of the wire vector
-(`layout.py`). Everything moves chunk by chunk, so a member holds a few chunks at a time, never a vector:
+(`layout.py`), empty for a client (`swarm.client_mode`): only owners are ever dialed. Everything moves chunk
+by chunk, so a member holds a few chunks at a time, never a vector:
 
 1. Every member i opens one stream to every owner j != i and sends HELLO (group, weight: the one all agreed
    on), then its chunks of part j, read straight from the model's tensors and encoded (`Kind.CHUNK`).
@@ -96,6 +97,9 @@ class AllReduce(GroupSlots):
         `weights`: every member's, as all members agreed (matchmaking); ours is `contribution.weight`."""
         me = list(members).index(self.p2p.peer_id)
         check_weights(members, weights, me, contribution.weight)
+        if self.rule.verify and layout.clients:
+            raise AllReduceFailed("swarm.verify_parts needs every member to answer audits, and a client cannot be "
+                                  "dialed")
         slot = self._groups.setdefault(group_id, asyncio.get_running_loop().create_future())
         if slot.done():
             raise AllReduceFailed(f"group {group_id.hex()[:8]} was already run here")
@@ -104,7 +108,7 @@ class AllReduce(GroupSlots):
         if group_id in self._abandoned and self._abandoned[group_id][0] in group.members:
             await group.fail("{} left the group: {}".format(*self._abandoned.pop(group_id)))
         tasks = [asyncio.ensure_future(self._reduce_own(group))]
-        tasks += [asyncio.ensure_future(self._exchange(group, j)) for j in range(len(members)) if j != me]
+        tasks += [asyncio.ensure_future(self._exchange(group, j)) for j in layout.owners if j != me]
         done = audit.start(self, group, tasks) if self.rule.verify else group.complete
         deadline = self.deadline(layout, me)
         watch = asyncio.ensure_future(group.wait_for(done, None, "all-reduce"))

@@ -1,6 +1,8 @@
 """Who this peer averages with, among the members matchmaking put in its group.
 
 - `on_majority_base`: only members on the group's majority global parameters (the others take its state).
+- `clients`, `dialable`: the members that cannot be dialed (`swarm.client_mode`) own no part, and are never
+  dialed (not even to say that we leave a group).
 - `agreed_chunk`: the chunk size all members cut parts with, whatever their own time-outs.
 - `Offenses`: groupmates caught sending what no honest peer sends (`AllReduceFailed.culprit`: malformed or
   non-finite data, a weight other than announced, a wrong average found by an audit). An offender is left
@@ -49,6 +51,21 @@ def on_majority_base(group: Group, base: str) -> Group:
     if len(keep) == 1:
         raise NoGroup("no groupmate shares our global parameters", alone=True)
     return Group(group.group_id, [group.members[i] for i in keep], [group.metas[i] for i in keep])
+
+
+def clients(group: Group) -> list[int]:
+    """The members that announced `client` (`swarm.client_mode`: they cannot be dialed): they own no part of
+    the vector and nobody opens a stream to them. AllReduceFailed if all are clients: nobody could own a part."""
+    out = [i for i, m in enumerate(group.metas) if isinstance(m, dict) and m.get("client") is True]
+    if len(out) == len(group.members):
+        raise AllReduceFailed(f"all {len(out)} members of the group are clients (swarm.client_mode): "
+                              f"nobody can own a part")
+    return out
+
+
+def dialable(group: Group) -> list[PeerID]:
+    """The members we may open a stream to: not the clients."""
+    return [p for p, m in zip(group.members, group.metas) if not (isinstance(m, dict) and m.get("client") is True)]
 
 
 def agreed_chunk(group: Group) -> int:

@@ -93,6 +93,8 @@ class GroupState:
         self.settled = {me}  # members that need nothing more from us (DONE, or gone)
         # member side: chunks of every part written into `out`
         self.have = [0] * n
+        if me in layout.clients:  # nobody can dial a client, so nobody pushes to it: nobody waits on it either
+            self.hello, self.settled, self.delivered = set(range(n)), set(range(n)), [math.inf] * n
         self.channels: dict[int, object] = {}  # our stream to each part's owner (wire.Channel)
         self.audit_pick: dict[int, int] = {}  # verify_parts: the chunk of each part we recompute (audit.py)
         self.audit_got: dict[int, tuple[bytes, bytes]] = {}  # (owner's digests, its result) of that chunk

@@ -2,10 +2,13 @@
 
 The pseudo-gradient is never flattened into one vector. The *wire vector* is a virtual concatenation of
 the model's tensors: first the tensors the codec quantizes (in model order), then the small ones that
-always travel in fp32 (`codec.FP32_BELOW`; none for a lossless codec). It is cut into n contiguous parts,
-part j owned by member j, and every part into chunks of at most `CHUNK_ELEMENTS`, cut again where the
-quantized region ends. A chunk is the unit of everything that moves: read from the model's tensors, encoded,
-sent, reduced, sent back, decoded and written into the output tensors, one chunk at a time.
+always travel in fp32 (`codec.FP32_BELOW`; none for a lossless codec). It is cut into contiguous parts, one
+per *owner*, in member order: every member but the clients (`swarm.client_mode`: peers that cannot be
+dialed, e.g. behind a NAT) owns one; a client's part is empty, so nobody ever opens a stream to it (it
+pushes its contributions to the owners and takes the averages back on the streams it opened). Every part
+is cut into chunks of at most `CHUNK_ELEMENTS`, cut again where the quantized region ends. A chunk is the
+unit of everything that moves: read from the model's tensors, encoded, sent, reduced, sent back, decoded
+and written into the output tensors, one chunk at a time.
 
 Chunks start at their part's start and are multiples of every codec's block (64, 32), so encoding a part
 chunk by chunk gives the same bytes as encoding it whole.
@@ -16,7 +19,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 
@@ -64,7 +67,14 @@ class Chunk:
 
 class WireLayout:
     def __init__(self, shapes: Sequence[torch.Size], codec: Codec, members: int,
-                 chunk_elements: int = CHUNK_ELEMENTS):
+                 chunk_elements: int = CHUNK_ELEMENTS, clients: Collection[int] = ()):
+        """`clients`: the indices of the members that own no part (they cannot be dialed)."""
+        self.clients = frozenset(clients)
+        if not self.clients <= set(range(members)):
+            raise ValueError(f"clients {sorted(self.clients)} are not all among {members} members")
+        self.owners = [j for j in range(members) if j not in self.clients]
+        if not self.owners:
+            raise ValueError(f"all {members} members are clients: nobody can own a part")
         sizes = [math.prod(s) for s in shapes]
         quantized = [not codec.lossy or n >= FP32_BELOW for n in sizes]
         self.order = [i for i in range(len(sizes)) if quantized[i]] + [i for i in range(len(sizes)) if not quantized[i]]
@@ -76,7 +86,8 @@ class WireLayout:
         self._sizes = [sizes[i] for i in self.order]
         self.numel = start
         self.exact_from = sum(n for n, q in zip(sizes, quantized) if q)  # where the fp32 region starts
-        self.parts = part_bounds(self.numel, members)
+        cut = iter(part_bounds(self.numel, len(self.owners)))
+        self.parts = [(self.numel, self.numel) if j in self.clients else next(cut) for j in range(members)]
 
     def codec_of(self, chunk: Chunk) -> Codec:
         return EXACT if chunk.exact else self.codec
@@ -103,7 +114,7 @@ class WireLayout:
 
     def member_wire_bytes(self, me: int) -> int:
         """Bytes member `me` sends in one all-reduce, and receives (the same): its contributions to the other
-        parts, and its own part's result to the n-1 others."""
+        parts, and its own part's result to the n-1 others (a client owns nothing: its part is empty)."""
         others = sum(self.part_wire_bytes(j) for j in range(self.members) if j != me)
         return others + (self.members - 1) * self.part_wire_bytes(me)
 

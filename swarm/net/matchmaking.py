@@ -24,6 +24,10 @@ as they all joined. A peer not yet visible (a newcomer) may miss the group; it t
 and downloads the state. A peer's first group waits the full matchmaking_time: peers started with it may
 not have published a record yet.
 
+A client (`swarm.client_mode`, a peer that cannot be dialed) never leads: hivemind's averager in client mode
+only joins leaders, over the streams it opens to them; a group of clients alone never forms. Its meta says
+`client`, so that it owns no part of the all-reduce (layout.py).
+
 Every member's meta is untrusted: it must fit `GroupMeta` (strict types, bounded sizes) or the group is
 left and the member charged an offense (access.py); a group holding a peer that `Access` refuses (not in
 the allowlist, or banned) is left as well, and as a leader this peer refuses such peers' join requests.
@@ -54,7 +58,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.serializer import MSGPackSerializer
-from pydantic.v1 import BaseModel, ValidationError, confloat, conint, constr
+from pydantic.v1 import BaseModel, StrictBool, ValidationError, confloat, conint, constr
 
 from swarm.config import SwarmConfig
 from swarm.net import schema
@@ -83,6 +87,7 @@ class GroupMeta(BaseModel):
     numel: conint(ge=0, strict=True) = 0  # elements of the vector it averages
     base: schema.Sha256 = ""  # hash of the global parameters its pseudo-gradient starts from
     chunk: Optional[conint(ge=0, strict=True)] = None  # elements per chunk it asks for (grouping.agreed_chunk)
+    client: StrictBool = False  # it cannot be dialed (swarm.client_mode): it owns no part (layout.py)
 
     class Config:
         extra = "forbid"
@@ -217,8 +222,8 @@ class Matchmaker:
             raise NoGroup(f"round {round}: malformed matchmaking metadata from {', '.join(bad)}", alone=False,
                           left=group)
         checked = [GroupMeta.parse_obj(m) for m, ok in zip(metas, admitted) if ok]
-        if any(m.round != round for m in checked):
-            raise NoGroup(f"round {round}: a groupmate sent metadata of another round", alone=False, left=group)
+        if (reason := misfit(round, checked, self.cfg.verify_parts)) is not None:
+            raise NoGroup(reason, alone=False, left=group)
         with self._averager.get_tensors() as tensors:
             got = float(tensors[0])
         unknown = got * len(members) - sum(m.token for m in checked)  # the refused members' tokens together
@@ -232,6 +237,15 @@ class Matchmaker:
         if self._averager.is_alive():
             self._averager.shutdown()
         self._averager.join(self.cfg.request_timeout)
+
+
+def misfit(round: int, checked: list[GroupMeta], verify_parts: bool) -> Optional[str]:
+    """Why a group whose admitted members sent `checked` must be left; None if it need not."""
+    if any(m.round != round for m in checked):
+        return f"round {round}: a groupmate sent metadata of another round"
+    if verify_parts and any(m.client for m in checked):  # no honest peer: config.py refuses the two together
+        return f"round {round}: a groupmate claims to be a client, which cannot answer the audits of swarm.verify_parts"
+    return None
 
 
 def _fits(meta: Any) -> bool:

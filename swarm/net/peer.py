@@ -16,6 +16,10 @@ calls in with bounded waits:
   swarm committed; SwarmError if the swarm is ahead and no donor can give it within the live window plus
   `stall_timeout`.
 - `finish()`: after the last round, serve the state while live peers are behind (`cfg.linger_time`).
+
+A client (`swarm.client_mode`: a peer that cannot be dialed, e.g. behind a NAT) owns no part of the
+all-reduce (it pushes to the owners and takes the averages back on its own streams), records its commits
+but serves no state (`serves_state` stays False, so nobody picks it as a donor), and leaves at once.
 """
 
 from __future__ import annotations
@@ -45,12 +49,12 @@ from swarm.net.allreduce import AllReduce
 from swarm.net.budget import chunk_elements, round_deadline
 from swarm.net.codec import get_codec
 from swarm.net.dht import allowed_peers
-from swarm.net.grouping import Offenses, OtherBase, agreed_chunk, on_majority_base
+from swarm.net.grouping import Offenses, OtherBase, agreed_chunk, clients, dialable, on_majority_base
 from swarm.net.groupstate import AllReduceFailed, Contribution
 from swarm.net.hostile import hooks_for
 from swarm.net.identity import Identity
 from swarm.net.layout import WireLayout
-from swarm.net.matchmaking import Matchmaker, NoGroup
+from swarm.net.matchmaking import Group, Matchmaker, NoGroup
 from swarm.net.records import Records
 from swarm.net.robust import Rule
 from swarm.net.statesync import StateForged, StateRefused, StateServer, download
@@ -87,6 +91,7 @@ class SwarmAverager(Records, Averager):
         self._offenses = Offenses(self.access)  # groupmates caught misbehaving: left out of our groups
         self.hooks = hooks_for(self.faults.hostile)  # a hostile peer's attacks (tests and demos only)
         self._published: Optional[schema.ProgressRecord] = None  # our last record, as we made it
+        self._committed = ""  # hash of the global parameters of our last commit (offer_state)
         self._matchmaker = Matchmaker(cfg, dht, fingerprint, self.access)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="swarm-net", daemon=True)
@@ -118,8 +123,11 @@ class SwarmAverager(Records, Averager):
             raise TimeoutError(f"network call did not finish within {timeout:g} s") from None
 
     async def _start_handlers(self) -> None:
-        await self._allreduce.start()
-        await self._server.start()
+        """Nobody can dial a client, and no honest peer tries: a client offers no handler at all, so a stream
+        opened to it fails at once instead of waiting on a connection that happens to be open."""
+        if not self.cfg.client_mode:
+            await self._allreduce.start()
+            await self._server.start()
 
     # ---- averaging ------------------------------------------------------------------------------------
 
@@ -135,6 +143,9 @@ class SwarmAverager(Records, Averager):
                     if self.cfg.error_feedback and self._codec.lossy else None)
         sent = received = 0
         reason = "the round's deadline is too short for one attempt"
+        meta = {"samples": int(samples), "numel": full.numel, "base": base, "chunk": chunk}
+        if self.cfg.client_mode:  # only then: a peer of an earlier version refuses a meta with keys it lacks
+            meta["client"] = True
         if self.faults.kill_phase == "allreduce" and self.faults.kill_round == round + 1:
             self._allreduce.on_pushed = _die_now
         if self._last_progress is None or self._last_progress[0] != round or not self._last_progress[4]:
@@ -147,12 +158,11 @@ class SwarmAverager(Records, Averager):
                                     donors=list(position.donors), note=position.note)
             try:
                 group = self._matchmaker.form_group(
-                    round, self.hooks.meta({"samples": int(samples), "numel": full.numel, "base": base,
-                                            "chunk": chunk}),
+                    round, self.hooks.meta(meta),
                     timeout=min(left, 2 * self.cfg.matchmaking_time),
                     expected=position.expected_group if self._averaged_once else None)
                 if (kept := self._offenses.exclude(group, round)) is not group:  # first: their meta is unread
-                    self._abandon(group.group_id, group.members, "offenders left out")  # whoever runs it
+                    self._abandon(group, "offenders left out")  # whoever runs it
                     group = kept
                 group = on_majority_base(group, base)
             except OtherBase as e:
@@ -161,7 +171,7 @@ class SwarmAverager(Records, Averager):
             except NoGroup as e:
                 reason = e.reason
                 if e.left is not None:  # groupmates that believe in this group must not wait for us
-                    self._abandon(e.left.group_id, e.left.members, e.reason)
+                    self._abandon(e.left, e.reason)
                 if e.alone and self._assess(round, base).verdict == policy.Verdict.ALONE:
                     for i, o in enumerate(out):
                         o.copy_(pseudo_grad.read(i, 0, o.numel()).view(o.shape))
@@ -176,7 +186,8 @@ class SwarmAverager(Records, Averager):
                 if any(m.get("numel") != full.numel for m in group.metas):
                     raise AllReduceFailed(f"groupmates average vectors of other sizes: "
                                           f"{[m.get('numel') for m in group.metas]}")
-                layout = WireLayout(pseudo_grad.shapes, self._codec, len(group.members), agreed_chunk(group))
+                layout = WireLayout(pseudo_grad.shapes, self._codec, len(group.members), agreed_chunk(group),
+                                    clients(group))
                 contribution = Contribution(pseudo_grad.read, self.hooks.weight(float(samples)), out, residual)
                 me = group.members.index(self._p2p.peer_id)
                 bound = self._allreduce.deadline(layout, me) + self.cfg.stall_timeout
@@ -200,9 +211,9 @@ class SwarmAverager(Records, Averager):
                             note=f"round {round + 1} discarded after {time.monotonic() - start:.0f} s "
                                  f"(the round's deadline, budget.round_deadline): {reason}")
 
-    def _abandon(self, group_id: bytes, members: list, reason: str) -> None:
-        """Tell `members` that we leave `group_id`, so that they do not wait for us."""
-        asyncio.run_coroutine_threadsafe(self._allreduce.abandon(group_id, members, reason), self._loop)
+    def _abandon(self, group: Group, reason: str) -> None:
+        """Tell the groupmates we can dial that we leave `group`, so that they do not wait for us."""
+        asyncio.run_coroutine_threadsafe(self._allreduce.abandon(group.group_id, dialable(group), reason), self._loop)
 
     # ---- state ----------------------------------------------------------------------------------------
 
@@ -218,7 +229,9 @@ class SwarmAverager(Records, Averager):
         except concurrent.futures.TimeoutError:
             logger.warning(f"commit record of round {snapshot.round} not confirmed within "
                            f"{self.cfg.request_timeout:g} s")
-        self._server.snapshot = snapshot
+        self._committed = snapshot.sha256
+        if not self.cfg.client_mode:  # a client cannot be dialed: it never serves (its record says so)
+            self._server.snapshot = snapshot
 
     def fetch_state(self, intake: Intake, round: int, sha256: str, donors: Optional[list[str]] = None,
                     must: bool = False) -> Optional[Download]:
@@ -292,10 +305,11 @@ class SwarmAverager(Records, Averager):
         A peer that fell behind in the last rounds (a failed all-reduce, a slow machine) learns it only
         after its next matchmaking; if every peer ahead has left by then it finds no donor and stops.
         Peers that finished announce it (a record at their final round), so in a swarm where nobody is
-        behind this returns at once.
+        behind this returns at once. A client (`swarm.client_mode`) serves nothing: it returns at once.
         """
-        sha = self._server.snapshot.sha256 if self._server.snapshot is not None else ""
-        self.publish_progress(round, 0, 0, 0.0, sha256=sha)
+        self.publish_progress(round, 0, 0, 0.0, sha256=self._committed)
+        if self.cfg.client_mode:
+            return
         deadline, waiting_for = time.monotonic() + self.cfg.linger_time, None
         while time.monotonic() < deadline:
             now = get_dht_time()
@@ -311,7 +325,7 @@ class SwarmAverager(Records, Averager):
                        f"still behind: {waiting_for}")
 
     async def _stop_handlers(self) -> None:
-        if hasattr(self, "_server"):
+        if hasattr(self, "_server") and not self.cfg.client_mode:
             await self._allreduce.stop()
             await self._server.stop()
         if hasattr(self, "_p2p"):

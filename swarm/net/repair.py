@@ -24,7 +24,7 @@ logger = logging.getLogger("swarm.net.allreduce")  # one log for the whole all-r
 async def repair(ar: AllReduce, group: GroupState, j: int, lost: Exception) -> None:
     """Take the rest of part j from any groupmate that holds it, in fp32; AllReduceFailed if none does."""
     tried = []
-    for k in [k for k in range(len(group.members)) if k not in (j, group.me)]:
+    for k in [k for k in group.layout.owners if k not in (j, group.me)]:  # a client cannot be dialed
         try:
             channel = await Channel.open(ar.p2p, group.members[k], f"{ar.name}_repair", ar.stall, group.traffic)
             try:

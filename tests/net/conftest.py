@@ -49,10 +49,11 @@ class GroupResult:
 
 
 def run_group(dhts, vectors, weights, *, codec="none", stall=10.0, skip=(), group_id=b"g", chunk_elements=None,
-              residual=False, shapes=None, abandon=(), rule=None, hooks=None):
+              residual=False, shapes=None, abandon=(), rule=None, hooks=None, clients=()):
     """One in-process all-reduce among `dhts` of flat fp32 `vectors` (one tensor each, or cut into `shapes`);
     members in `skip` never start it, members in `abandon` tell the others they leave it; `rule`: a
-    robust.Rule; `hooks`: {member: {"on_result": fn}} fault injection. Returns (members, GroupResult or
+    robust.Rule; `hooks`: {member: {"on_result": fn}} fault injection; `clients`: members that own no part
+    (`swarm.client_mode`). Returns (members, GroupResult or
     exception per started member)."""
     import asyncio
     import concurrent.futures
@@ -77,7 +78,7 @@ def run_group(dhts, vectors, weights, *, codec="none", stall=10.0, skip=(), grou
         for service in services:
             await service.start()
         members = [p2p.peer_id for p2p in p2ps]
-        layout = WireLayout(shapes, get_codec(codec), len(members), chunk_elements or CHUNK_ELEMENTS)
+        layout = WireLayout(shapes, get_codec(codec), len(members), chunk_elements or CHUNK_ELEMENTS, clients)
 
         async def one(service, vector, weight):
             out = [torch.full(s, float("nan")) for s in shapes]

@@ -1,0 +1,136 @@
+"""Clients (`swarm.client_mode`: peers that cannot be dialed) in a group: they own no part, nobody dials them,
+and they end with the same average as everyone else. The real thing behind a NAT: test_nat.py."""
+
+import concurrent.futures
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import run_group, three_dhts
+from hivemind.p2p import PeerID
+
+from swarm.config import SwarmConfig
+from swarm.net import grouping, schema
+from swarm.net.codec import get_codec
+from swarm.net.groupstate import AllReduceFailed
+from swarm.net.layout import WireLayout
+from swarm.net.matchmaking import Group, GroupMeta, _fits, misfit
+from swarm.net.peer import SwarmAverager
+
+
+def peer(i: int) -> PeerID:
+    return PeerID(bytes([0, 1, i]))
+
+
+def test_parts_go_to_the_owners_in_member_order_and_a_client_owns_nothing():
+    layout = WireLayout([torch.Size([10])], get_codec("none"), 3, clients={1})
+    assert layout.owners == [0, 2]
+    assert layout.parts == [(0, 5), (10, 10), (5, 10)]
+    assert layout.chunks(1) == [] and [c.numel for c in layout.chunks(0) + layout.chunks(2)] == [5, 5]
+    assert [layout.part_wire_bytes(j) for j in range(3)] == [20, 0, 20]  # fp32: 4 bytes an element
+    # an owner sends its contribution to the other owner's part, and its own part's average to 2 groupmates;
+    # the client sends its contributions to both parts (and receives as much)
+    assert [layout.member_wire_bytes(j) for j in range(3)] == [20 + 2 * 20, 20 + 20, 20 + 2 * 20]
+
+
+def test_without_clients_the_layout_is_as_before():
+    assert WireLayout([torch.Size([10])], get_codec("none"), 3).parts == [(0, 4), (4, 7), (7, 10)]
+    assert WireLayout([torch.Size([10])], get_codec("none"), 3, clients=()).owners == [0, 1, 2]
+
+
+def test_a_group_of_clients_only_has_nobody_to_own_a_part():
+    with pytest.raises(ValueError, match="all 2 members are clients"):
+        WireLayout([torch.Size([10])], get_codec("none"), 2, clients={0, 1})
+    with pytest.raises(ValueError, match="not all among"):
+        WireLayout([torch.Size([10])], get_codec("none"), 2, clients={2})
+    clients_only = Group(b"g" * 16, [peer(0), peer(1)], [{"client": True}, {"client": True}])
+    with pytest.raises(AllReduceFailed, match="all 2 members of the group are clients"):
+        grouping.clients(clients_only)
+
+
+def test_clients_come_from_the_metas_and_are_never_dialed():
+    g = Group(b"g" * 16, [peer(i) for i in range(4)],
+              [{"client": False}, {"client": True}, {}, {"client": "yes"}])  # only a real True counts
+    assert grouping.clients(g) == [1]
+    assert grouping.dialable(g) == [peer(0), peer(2), peer(3)]
+
+
+def test_the_client_flag_in_matchmaking_metadata_is_a_strict_bool():
+    meta = dict(round=0, nonce="0" * 16, token=2.0)
+    assert GroupMeta.parse_obj(meta).client is False
+    assert _fits(dict(meta, client=True)) and not _fits(dict(meta, client=1)) and not _fits(dict(meta, client="true"))
+
+
+def test_a_client_in_a_run_that_audits_is_refused():
+    metas = [GroupMeta(round=4, nonce="0" * 16, token=2.0), GroupMeta(round=4, nonce="1" * 16, token=2.0, client=True)]
+    assert misfit(4, metas, verify_parts=False) is None
+    assert "claims to be a client" in misfit(4, metas, verify_parts=True)
+    assert "another round" in misfit(5, metas, verify_parts=False)
+
+
+@pytest.mark.timeout(60)
+def test_a_client_takes_part_owns_nothing_and_ends_with_the_same_average():
+    """Member 1 is a client. Its AllReduce never registers its stream handlers, so a stream opened to it
+    would fail the run: that every member completes proves nobody dialed it."""
+    calls = []
+
+    async def deaf() -> None:
+        calls.append("start")
+
+    async def gone() -> None:
+        calls.append("stop")
+
+    vectors, weights = [torch.randn(5_000) for _ in range(3)], [1.0, 2.0, 1.0]
+    with three_dhts() as dhts:
+        members, results = run_group(dhts, vectors, weights, clients=(1,), chunk_elements=1024,
+                                     hooks={1: {"start": deaf, "stop": gone}})
+    assert calls == ["start", "stop"]
+    expected = (vectors[0] + 2 * vectors[1] + vectors[2]) / 4
+    for r in results:
+        assert not isinstance(r, BaseException), r
+        assert torch.equal(r.tensor, results[0].tensor)
+        assert torch.allclose(r.tensor, expected, atol=1e-6)
+    # owners own 2500 elements each: the client sends 2 x 10 kB and receives as much, nothing else
+    layout = WireLayout([torch.Size([5_000])], get_codec("none"), 3, 1024, clients={1})
+    assert layout.member_wire_bytes(1) == 2 * 2_500 * 4
+    client, owner = results[1].traffic, results[0].traffic
+    assert 2 * 2_500 * 4 <= client.sent < 2 * 2_500 * 4 * 1.05 and client.received >= 2 * 2_500 * 4
+    assert owner.sent >= layout.member_wire_bytes(0)
+
+
+@pytest.mark.timeout(60)
+def test_verify_parts_refuses_a_group_with_a_client():
+    from swarm.net.robust import Rule
+
+    with three_dhts() as dhts:
+        _, results = run_group(dhts, [torch.randn(100) for _ in range(3)], [1.0, 1.0, 1.0], clients=(2,),
+                               rule=Rule(verify=True), stall=2.0)
+    assert all(isinstance(r, AllReduceFailed) and "verify_parts" in str(r) for r in results), results
+
+
+class _DHT:
+    def __init__(self):
+        self.stored = []
+
+    def store(self, key, value, subkey, expiration_time, return_future):
+        self.stored.append((key, value))
+        done = concurrent.futures.Future()
+        done.set_result(True)
+        return done
+
+
+@pytest.mark.parametrize("client", [True, False])
+def test_a_client_records_its_commits_but_never_serves_its_state(client):
+    published = []
+    averager = SimpleNamespace(cfg=SwarmConfig(client_mode=client, linger_time=0.0), peer_name="home", _owner=b"o",
+                               _dht_lock=threading.Lock(), dht=_DHT(), _server=SimpleNamespace(snapshot=None),
+                               _committed="", publish_progress=lambda *a, **k: published.append(k["sha256"]),
+                               peers=lambda: [])
+    snapshot = SimpleNamespace(round=2, sha256="ab" * 32)
+    SwarmAverager.offer_state(averager, snapshot)
+    assert [(key, value["round"], value["sha256"]) for key, value in averager.dht.stored] == [
+        (schema.commits_key(averager.cfg.run_id), 2, "ab" * 32)]
+    assert averager._server.snapshot is (None if client else snapshot)  # `serves_state` is this, not None
+    SwarmAverager.finish(averager, 2)
+    assert published == ["ab" * 32]  # its final record names the hash it committed
