@@ -131,7 +131,12 @@ class DiLoCo:
         """The outer momentum, one buffer per global parameter; None before the first outer step."""
         state = self.outer_optimizer.state
         buffers = [state.get(g, {}).get("momentum_buffer") for g in self.global_params]
-        return buffers if all(b is not None for b in buffers) else None
+        if all(b is None for b in buffers):
+            return None
+        if any(b is None for b in buffers):  # a fragment that has not stepped yet (swarm/fragments.py): a zero
+            buffers = [torch.zeros_like(g) if b is None else b for b, g in zip(buffers, self.global_params)]
+            self.set_momentum(buffers)  # buffer steps exactly as none does (buf = momentum * 0 + d)
+        return buffers
 
     def set_momentum(self, buffers: Optional[list[torch.Tensor]]) -> None:
         """Install (or, with None, drop) the outer momentum buffers."""

@@ -47,13 +47,15 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from swarm.averaging import Averager
+from swarm.averaging import Averager, RoundOutcome
 from swarm.config import ConfigError, DilocoConfig
 from swarm.diloco import DiLoCo, PseudoGradient
 from swarm.errors import UsageError
+from swarm.history import RoundRecord
 from swarm.overlap import Exchange
 
 log = logging.getLogger("swarm.fragments")
+_TOTALS = ("comm_s", "allreduce_s", "wait_s", "bytes_sent", "bytes_received")  # RoundRecord fields summed
 
 
 def partition(numels: Sequence[int], parts: int) -> list[list[int]]:
@@ -139,6 +141,7 @@ class Fragments:
         self.before_change, self.note = before_change, note  # settle a checkpoint being written; history events
         self.samples = [0] * len(self.all)  # per mid-round fragment: samples its next pseudo-gradient covers
         self.pending: Optional[tuple[Fragment, Exchange, int]] = None  # in flight, lands after inner step [2]
+        self.totals = dict.fromkeys(_TOTALS, 0.0)  # of the mid-round exchanges since the last round closed
         if cfg.fragments > 1:
             log.info("%d fragments of %s tensors (%s elements), exchanges after inner steps %s of each round",
                      len(self.all), [len(g) for g in groups],
@@ -171,6 +174,7 @@ class Fragments:
             out = fragment.outer_grads()
             outcome = self.averager.average(fragment.round, fragment.pseudo_gradient(), self.samples[f], out,
                                             fragment.global_sha256())
+            self._count(outcome)
             if outcome.averaged is not None:
                 self.before_change()
                 fragment.outer_step(outcome.averaged)
@@ -180,7 +184,8 @@ class Fragments:
         return time.perf_counter() - start
 
     def _settle(self, fragment: Fragment, exchange: Exchange) -> None:
-        outcome, _ = exchange.result()
+        outcome, wait_s = exchange.result()
+        self._count(outcome, wait_s)
         if outcome.averaged is not None:
             self.before_change()
             exchange.land(fragment, outcome.averaged)
@@ -188,6 +193,17 @@ class Fragments:
         else:
             exchange.drop(fragment)
             self._discarded(fragment, outcome.note)
+
+    def _count(self, outcome: RoundOutcome, wait_s: float = 0.0) -> None:
+        for key, value in [("comm_s", outcome.comm_s), ("allreduce_s", outcome.allreduce_s), ("wait_s", wait_s),
+                           ("bytes_sent", outcome.bytes_sent), ("bytes_received", outcome.bytes_received)]:
+            self.totals[key] += value
+
+    def fold_into(self, record: RoundRecord) -> None:
+        """Add the mid-round exchanges since the last round closed to the record of the round closing now."""
+        for key, value in self.totals.items():
+            setattr(record, key, type(getattr(record, key))(getattr(record, key) + value))
+        self.totals = dict.fromkeys(_TOTALS, 0.0)
 
     def _discarded(self, fragment: Fragment, why: str) -> None:
         log.warning("round %d: fragment %d's exchange discarded (%s): keeping its local progress for the next one",

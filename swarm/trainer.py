@@ -380,6 +380,7 @@ class Trainer:
             tokens_per_s=tokens_per_s, note=outcome.note, time=time.time(), eval_s=eval_s, wait_s=wait_s,
             start_time=time.time() - (time.perf_counter() - start),
         )
+        self.fragments.fold_into(record)  # diloco.fragments: the round's mid-round exchanges
         self.history.rounds.append(record)
         if checkpoint and committed:  # the rest goes to disk while the next round's inner steps run
             inner, rest, meta = self._checkpoint_parts()
@@ -390,7 +391,7 @@ class Trainer:
         if committed:
             self.averager.offer_state(self.snapshot())
         if exchange is None:
-            record.overhead_s = max(0.0, time.perf_counter() - start - compute_s - outcome.comm_s)
+            record.overhead_s = max(0.0, time.perf_counter() - start - compute_s - record.comm_s)
         else:  # the snapshot and launch of the exchange, then this close
             record.overhead_s = launch_s + time.perf_counter() - close_start
         if committed:

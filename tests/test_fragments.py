@@ -12,7 +12,7 @@ from swarm.fragments import partition, sync_steps
 from swarm.inner import lr_lambda
 from swarm.model import build_model
 from swarm.trainer import Trainer
-from tests.conftest import run_cli, tiny_config
+from tests.conftest import resumed_after, run_cli, tiny_config
 
 # The tiny test model's 11 parameter tensors: embeddings (tied head) 8192 elements, q/k/v/o 1024 each, gate/up/down
 # 2048 each, three norms 32 each; 18528 in all. Two fragments: the cut nearest 9264 falls after q_proj (9216).
@@ -195,3 +195,30 @@ def test_fragments_with_a_network_or_ranks_exit_2(tmp_path, args):
                      "--diloco.fragments", "2")
     assert result.returncode == 2, result.stderr[-2000:]
     assert "diloco.fragments 2 runs" in result.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("delay", [0, 1])
+def test_a_fragmented_run_resumes_from_its_last_committed_round(tmp_path, delay):
+    """A checkpoint holds the state of a round boundary (no fragment of the next round has landed yet), so a
+    resumed run restarts its local model from it, as with diloco.delay, and commits every round."""
+    cfg = tiny_config(diloco={"rounds": 4, "inner_steps": 4, "delay": delay, "fragments": 2})
+    straight = Trainer(cfg, SoloAverager(), "a", shard=0, out_dir=tmp_path / "straight")
+    straight.train()
+    second = resumed_after(cfg, tmp_path / "resumed", stop_round=2)
+    assert second.diloco.round == 4 and second.step == 16 + delay  # checkpointed `delay` steps into round 3
+    assert [r.round for r in second.history.rounds if r.committed] == [1, 2, 3, 4]
+    for ours, ref in zip(second.history.rounds[:2], straight.history.rounds[:2]):
+        assert (ours.train_loss, ours.global_sha256) == (ref.train_loss, ref.global_sha256)
+
+
+@pytest.mark.timeout(60)
+def test_a_fragment_that_never_stepped_shares_a_zero_momentum(tmp_path):
+    """Checkpoints and served states hold the outer momentum of every tensor or none: a fragment whose only
+    exchange was discarded holds zeros, which the next outer step treats exactly as no momentum."""
+    cfg = tiny_config(diloco={"rounds": 1, "inner_steps": 4, "fragments": 2}, checkpoint={"every": 0})
+    trainer = Trainer(cfg, DiscardsExchange(0), "a", shard=0, out_dir=tmp_path)
+    trainer.train()
+    assert [f.commits for f in trainer.fragments.all] == [0, 1]
+    buffers = trainer.diloco.momentum_buffers()
+    assert [bool(b.any()) for b in buffers] == [False] * 2 + [True] * 9
