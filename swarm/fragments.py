@@ -12,10 +12,13 @@ Each of a round's H inner steps belongs to the same schedule on every peer:
 so F exchanges of ~1/F of the bytes travel per round instead of one, each fragment still gets H inner steps
 between its exchanges, and `0 <= delay < H // F` (checked at load) keeps one exchange in flight at a time: each
 lands before the next one starts. An exchange is swarm/overlap.py's `Exchange` on the fragment's tensors alone
-(`delay >= 1`: eager resume from the own outer step, local += new global - resume point on landing) or, with
-`delay: 0`, a blocking average and outer step between two inner steps. Each fragment has its own outer step
-(SGD steps only the tensors that have a gradient, so its momentum slice moves with it alone) and its own count
-of outer steps (`Fragment.commits`).
+(`delay >= 1`; on landing local += new global - resume point) or, with `delay: 0`, a blocking average and outer
+step between two inner steps. With F = 1 the local model resumes from its own outer step (eager, as in
+swarm/overlap.py); with F > 1 it goes on from where it was, as in Streaming DiLoCo: the eager jump of one
+fragment while the others stay cost loss. 4 simulated peers, H=50, delay 5, 400 inner steps, eval of the
+global parameters: eager 2.1127, going on 1.9483 (mix_alpha 0.5; blocking F=1 DiLoCo 2.0356).
+Each fragment has its own outer step (SGD steps only the tensors that have a gradient, so its momentum slice
+moves with it alone) and its own count of outer steps (`Fragment.commits`).
 
 `diloco.mix_alpha: a` is Streaming DiLoCo's merge, local <- a * local + (1 - a) * target, at each landing. The
 target is the new global parameters carried forward by the inner steps taken since the exchange started
@@ -119,7 +122,12 @@ class Fragment:
         return self.diloco.global_sha256()
 
     def own_outer_step(self, index: int, local: torch.Tensor) -> torch.Tensor:
-        return self.diloco.own_outer_step(self.indices[index], local)
+        """Where an `Exchange` of this fragment resumes the local model from: with F = 1 the outer step on its own
+        pseudo-gradient (swarm/overlap.py); with F > 1 the local model itself, as in Streaming DiLoCo (module
+        docstring: one fragment jumping ahead of the others it trains with cost loss)."""
+        if self.count == 1:
+            return self.diloco.own_outer_step(self.indices[index], local)
+        return local.to(self.global_params[index].device, torch.float32)
 
     def outer_step(self, averaged: Sequence[torch.Tensor], keep_local: bool = False) -> None:
         """This fragment's outer step; the last fragment's closes the round."""
