@@ -24,22 +24,37 @@ from swarm.data import load_corpus
 from swarm.model import build_model, count_parameters
 
 M = 4
-# DiLoCo points: (H, outer lr) or (H, outer lr, diloco.delay): the outer step lands `delay` inner steps into the
-# next round, the exchange running behind them (swarm/overlap.py)
+# DiLoCo points: (H, outer lr[, diloco.delay[, diloco.fragments, diloco.mix_alpha]]): the outer step lands `delay`
+# inner steps after its exchange started, the exchange running behind them (swarm/overlap.py); with F fragments
+# F exchanges of 1/F of the parameters each are staggered across the round (Streaming DiLoCo, swarm/fragments.py)
 FULL = dict(steps=400, grid=[(10, 0.3), (10, 0.7), (25, 0.7), (50, 0.5), (50, 0.7), (50, 1.0), (100, 1.0),
-                             (10, 0.3, 5), (50, 0.7, 5), (50, 0.7, 25)],
-            swarm_point=(50, 0.7), long=(1600, [(50, 0.7), (50, 0.7, 5), (50, 0.7, 25)]))
-QUICK = dict(steps=60, grid=[(10, 0.3), (30, 0.7), (30, 0.7, 5)], swarm_point=(30, 0.7))
+                             (10, 0.3, 5), (50, 0.7, 5), (50, 0.7, 25),
+                             (50, 0.7, 5, 2, 0.0), (50, 0.7, 5, 2, 0.5), (50, 0.7, 5, 4, 0.5)],
+            swarm_point=(50, 0.7), long=(1600, [(50, 0.7), (50, 0.7, 5), (50, 0.7, 25), (50, 0.7, 5, 2, 0.5)]))
+QUICK = dict(steps=60, grid=[(10, 0.3), (30, 0.7), (30, 0.7, 5), (30, 0.7, 5, 2, 0.5)], swarm_point=(30, 0.7))
 
 
-def method(delay: int) -> str:
+def unpack(point: tuple) -> tuple[int, float, int, int, float]:
+    """(H, outer lr, delay, fragments, mix_alpha) of a grid point, with the defaults it leaves out."""
+    return tuple(point) + (0, 1, 0.0)[len(point) - 2:]
+
+
+def method(delay: int, fragments: int = 1, alpha: float = 0.0) -> str:
+    if fragments > 1:
+        return f"Streaming DiLoCo, F={fragments}, delay {delay}, alpha {alpha:g}"
     return f"DiLoCo, delay {delay}" if delay else "DiLoCo"
 
 
-def diloco_sim(steps: int, h: int, olr: float, tmp: Path, delay: int = 0) -> tuple[list[tuple[int, float]], float]:
-    cfg = tiny_config(steps, h, olr, diloco={"delay": delay})
+def overlap_fields(delay: int, fragments: int, alpha: float, steps: int, h: int) -> dict:
+    """A point's overlap settings and its exchanges per worker (F per round, each of 1/F of the parameters)."""
+    return dict(delay=delay, fragments=fragments, mix_alpha=alpha, allreduces=steps // h * fragments)
+
+
+def diloco_sim(steps: int, h: int, olr: float, tmp: Path, delay: int = 0, fragments: int = 1,
+               alpha: float = 0.0) -> tuple[list[tuple[int, float]], float]:
+    cfg = tiny_config(steps, h, olr, diloco={"delay": delay, "fragments": fragments, "mix_alpha": alpha})
     start = time.perf_counter()
-    trainers = simulate(cfg, M, tmp / f"sim-h{h}-olr{olr}-d{delay}")
+    trainers = simulate(cfg, M, tmp / f"sim-h{h}-olr{olr}-d{delay}-f{fragments}-a{alpha}")
     hist = trainers[0].history
     curve = [(0, hist.initial_eval_loss)] + [(r.round * h, r.eval_loss) for r in hist.rounds
                                              if r.committed and r.eval_loss is not None]
@@ -76,16 +91,15 @@ def long_points(steps: int, grid: list[tuple[int, float]], tmp: Path) -> tuple[l
     curve, secs = train_plain(cfg, [0], steps)
     points = [dict(method="single worker", label=f"single (B), {steps} steps", H=None, outer_lr=None, curve=curve,
                    seconds=secs, allreduces=0, steps=steps)]
-    for h, olr, *delay in grid:
-        delay = delay[0] if delay else 0
-        curve, secs = diloco_sim(steps, h, olr, tmp, delay)
-        points.append(dict(method=method(delay), label=f"{method(delay)} H={h} olr={olr}, {steps} steps", H=h,
-                           outer_lr=olr, delay=delay, curve=curve, seconds=secs, allreduces=steps // h,
-                           steps=steps))
+    for h, olr, *overlap in map(unpack, grid):
+        curve, secs = diloco_sim(steps, h, olr, tmp, *overlap)
+        points.append(dict(method=method(*overlap), label=f"{method(*overlap)} H={h} olr={olr}, {steps} steps", H=h,
+                           outer_lr=olr, curve=curve, seconds=secs, steps=steps,
+                           **overlap_fields(*overlap, steps, h)))
     single = points[0]["curve"][-1][1]
     rows = [[p["method"], p["H"] or "–", p["outer_lr"], steps, f"{p['curve'][-1][1]:.4f}",
              f"{p['curve'][-1][1] - single:+.3f}", p["allreduces"], f"{p['seconds']:.0f}"] for p in points]
-    return points, md_table(["method", "H", "outer lr", "steps / worker", "eval loss", "vs single", "all-reduces",
+    return points, md_table(["method", "H", "outer lr", "steps / worker", "eval loss", "vs single", "exchanges",
                              "wall s"], rows)
 
 
@@ -126,16 +140,17 @@ def run(quick: bool) -> dict:
     points.append(dict(method=f"data parallel x{M}", label=f"DP ({M}xB)", H=1, outer_lr=None, curve=curve,
                        seconds=secs, allreduces=steps))
     with tempfile.TemporaryDirectory(prefix="bench-conv-") as tmp:
-        for h, olr, *delay in spec["grid"]:
-            delay = delay[0] if delay else 0
-            curve, secs = diloco_sim(steps, h, olr, Path(tmp), delay)
-            points.append(dict(method=method(delay), label=f"{method(delay)} H={h} olr={olr}", H=h, outer_lr=olr,
-                               delay=delay, curve=curve, seconds=secs, allreduces=steps // h))
-            print(f"  convergence: H={h} olr={olr} delay {delay}: eval {curve[-1][1]:.4f} ({secs:.0f}s)", flush=True)
+        for h, olr, *overlap in map(unpack, spec["grid"]):
+            curve, secs = diloco_sim(steps, h, olr, Path(tmp), *overlap)
+            points.append(dict(method=method(*overlap), label=f"{method(*overlap)} H={h} olr={olr}", H=h,
+                               outer_lr=olr, curve=curve, seconds=secs, **overlap_fields(*overlap, steps, h)))
+            print(f"  convergence: {method(*overlap)} H={h} olr={olr}: eval {curve[-1][1]:.4f} ({secs:.0f}s)",
+                  flush=True)
         h, olr = spec["swarm_point"]
         swarm = diloco_swarm(steps, h, olr, Path(tmp))
         long, long_table = long_points(*spec["long"], Path(tmp)) if "long" in spec else ([], "")
-    sim_point = next(p for p in points if p["H"] == h and p["outer_lr"] == olr and not p.get("delay"))
+    sim_point = next(p for p in points if p["H"] == h and p["outer_lr"] == olr and not p.get("delay")
+                     and p.get("fragments", 1) == 1)
     swarm.update(H=h, outer_lr=olr, sim_eval_loss=sim_point["curve"][-1][1])
     if "eval_loss" in swarm:
         swarm["abs_diff"] = abs(swarm["eval_loss"] - swarm["sim_eval_loss"])
@@ -146,15 +161,15 @@ def run(quick: bool) -> dict:
     for p in points:
         final = p["curve"][-1][1]
         p["eval_loss"] = final
-        floats = p["allreduces"] * params
+        rounds = p["allreduces"] // p.get("fragments", 1)  # each round's exchanges carry the parameters once
         rows.append([p["method"], p["H"] if p["H"] is not None else "–", p["outer_lr"], f"{final:.4f}",
-                     f"{final - single_loss:+.3f}", f"{final - dp_loss:+.3f}", p["allreduces"], f"{floats:.3g}",
-                     f"{steps / p['allreduces']:.0f}x" if p["allreduces"] else "–", f"{p['seconds']:.0f}"])
+                     f"{final - single_loss:+.3f}", f"{final - dp_loss:+.3f}", p["allreduces"],
+                     f"{rounds * params:.3g}", f"{steps / rounds:.0f}x" if rounds else "–", f"{p['seconds']:.0f}"])
     if "eval_loss" in swarm:
         rows.append([f"DiLoCo, real swarm ({M} processes)", h, olr, f"{swarm['eval_loss']:.4f}",
                      f"{swarm['eval_loss'] - single_loss:+.3f}", f"{swarm['eval_loss'] - dp_loss:+.3f}", steps // h,
                      f"{steps // h * params:.3g}", f"{h}x", f"{swarm['wall_s']:.0f}"])
-    table = md_table(["method", "H", "outer lr", "eval loss", "vs single", "vs DP", "all-reduces",
+    table = md_table(["method", "H", "outer lr", "eval loss", "vs single", "vs DP", "exchanges",
                       "floats all-reduced / worker", "less comm. than DP", "wall s"], rows)
     agree = (f"sim vs swarm at H={h}, olr={olr}: {swarm['sim_eval_loss']:.4f} vs {swarm['eval_loss']:.4f} "
              f"(|diff| {swarm['abs_diff']:.4f}), final globals identical on every peer: {swarm['identical_globals']}"
@@ -166,7 +181,8 @@ def run(quick: bool) -> dict:
               f"per worker, {steps} inner steps per worker, inner AdamW lr {cfg.inner.lr}. "
               f"Best DiLoCo: {best['label']} at {best['eval_loss']:.4f}. {agree}. \"delay τ\": the exchange "
               f"runs behind the next round's first τ inner steps, whose end its outer step waits for (diloco.delay). "
-              f"Plot: convergence.png")
+              f"Streaming DiLoCo F: F exchanges per round of 1/F of the parameters each, staggered across the round, "
+              f"each landing τ inner steps after it started; alpha: diloco.mix_alpha. Plot: convergence.png")
     if long_table:
         table += f"\n\nLonger runs (more rounds), same settings otherwise:\n\n{long_table}"
     return {"table": table, "config": {"steps": steps, "workers": M, "params": params, "grid": spec["grid"],

@@ -32,18 +32,23 @@ QUICK = dict(peers=2, links=[None, "20mbit"], points=[(10, "none", 0), (10, "non
 # simulation, arXiv 2501.18512 Table 4: 0.1 s at 1B and 0.8 s at 10B parameters at 60% MFU; 30B scaled linearly
 # from 10B), 8 peers, a 1 Gbit/s link each, H = 500, wire bytes per parameter as measured by bench/compression.py
 # (int8 0.27x and int4 0.16x of fp32's 4 bytes), matchmaking 1 s.
+# Streaming DiLoCo columns (diloco.fragments F, diloco.delay; delay < H / F): F exchanges per round, each of 1/F
+# of the bytes and its own matchmaking, each hidden behind `delay` inner steps. Measured with simulated peers
+# only: fragments do not run over the network yet (swarm/fragments.py), so the live points above have none.
 SCALE = dict(peers=8, link_bits=1e9, H=500, t_mm=1.0, models=[("1B", 1e9, 0.1), ("30B", 30e9, 2.4)],
-             codecs=[("int8", 4 * 0.27), ("int4", 4 * 0.16)], delays=[0, 50, 250])
+             codecs=[("int8", 4 * 0.27), ("int4", 4 * 0.16)], delays=[0, 50, 250],
+             streaming=[(4, 5), (4, 50), (16, 25)])
 
 
-def round_model(h: int, t_step: float, t_comm: float, delay: int, rounds: Optional[int] = None) -> float:
-    """Compute utilization over `rounds` rounds (None: the steady state) of H inner steps each: a round stops the
-    compute for whatever of its exchange the first `delay` inner steps of the next round do not hide; the last
-    round's exchange has nothing to hide behind."""
+def round_model(h: int, t_step: float, t_comm: float, delay: int, rounds: Optional[int] = None,
+                fragments: int = 1) -> float:
+    """Compute utilization over `rounds` rounds (None: the steady state) of H inner steps each, with `fragments`
+    exchanges of `t_comm` s per round: each stops the compute for whatever of it the `delay` inner steps after
+    its start do not hide; the last exchange has nothing to hide behind."""
     blocked = max(0.0, t_comm - delay * t_step)
     if rounds is None:
-        return h * t_step / (h * t_step + blocked)
-    return rounds * h * t_step / (rounds * h * t_step + (rounds - 1) * blocked + t_comm)
+        return h * t_step / (h * t_step + fragments * blocked)
+    return rounds * h * t_step / (rounds * h * t_step + (rounds * fragments - 1) * blocked + t_comm)
 
 
 def projection() -> str:
@@ -52,10 +57,14 @@ def projection() -> str:
         for codec, bytes_per_param in SCALE["codecs"]:
             sent = 2 * (n - 1) / n * params * bytes_per_param
             t_comm = SCALE["t_mm"] + sent * 8 / SCALE["link_bits"]
+            streaming = [round_model(SCALE["H"], t_step, SCALE["t_mm"] + sent / f * 8 / SCALE["link_bits"], d,
+                                     fragments=f) for f, d in SCALE["streaming"]]
             rows.append([model, codec, f"{sent / 1e9:.1f}", f"{t_comm:.0f}", f"{SCALE['H'] * t_step:.0f}",
-                         *[f"{round_model(SCALE['H'], t_step, t_comm, d):.1%}" for d in SCALE["delays"]]])
+                         *[f"{round_model(SCALE['H'], t_step, t_comm, d):.1%}" for d in SCALE["delays"]],
+                         *[f"{u:.1%}" for u in streaming]])
     return md_table(["model", "codec", "GB sent / peer / round", "exchange s", "H inner steps s",
-                     *[f"delay {d}" for d in SCALE["delays"]]], rows)
+                     *[f"delay {d}" for d in SCALE["delays"]],
+                     *[f"F={f}, delay {d} (peak 1/{f})" for f, d in SCALE["streaming"]]], rows)
 
 
 def rate_bits(link: str) -> float:

@@ -27,6 +27,7 @@ import torch
 from swarm.config import Config
 from swarm.data import shard_index
 from swarm.errors import Stopped
+from swarm.fragments import check_supported
 from swarm.ranks import Ranks
 from swarm.report import peer_summary, write_json, write_summary
 from swarm.trainer import Trainer
@@ -55,6 +56,7 @@ def _terminate_on_sigterm() -> None:
 
 
 def run_peer(cfg: Config, out_dir: Path, name: Optional[str]) -> Path:
+    check_supported(cfg.diloco.fragments, networked=True)
     _terminate_on_sigterm()
     if cfg.diloco.threads:
         torch.set_num_threads(cfg.diloco.threads)

@@ -100,6 +100,8 @@ class Averager(ABC):
 
         `base` is the hash of the global parameters the pseudo-gradient was taken from: only peers on the
         same base may average together (a step applied to different bases would never reconcile them).
+        With `diloco.fragments` F > 1 (no network: swarm/fragments.py) `round` is the exchange index
+        round * F + fragment and `pseudo_grad` covers that fragment's tensors only.
         """
 
     def publish_progress(self, round: int, inner_step: int, samples: int, samples_per_s: float,

@@ -101,6 +101,12 @@ class DilocoConfig:
     # result after them, waiting there if it has not arrived. Pick tau so that tau inner steps outlast a round's
     # matchmaking and all-reduce.
     delay: int = 0
+    fragments: int = 1
+    """Streaming DiLoCo (swarm/fragments.py): F contiguous fragments of the parameter tensors, fragment f exchanged
+    after inner step (f + 1) * inner_steps // F of each round: F exchanges of ~1/F of the bytes per round."""
+    mix_alpha: float = 0.0
+    """Where an exchange lands, local <- alpha * local + (1 - alpha) * (new global + the inner steps taken since
+    it started): 0 takes the group's outer step fully (plain DiLoCo), 1 keeps the peer's own stand-in."""
 
 
 @dataclass

@@ -170,9 +170,16 @@ def validate(cfg: Config) -> None:
                           "swarm.verify_parts")
     if not s.min_bandwidth > 0:
         raise ConfigError(f"swarm.min_bandwidth must be a positive number of bytes/s, got {s.min_bandwidth}")
-    if not 0 <= cfg.diloco.delay < cfg.diloco.inner_steps:
-        raise ConfigError(f"diloco.delay {cfg.diloco.delay} must be in [0, diloco.inner_steps = "
-                          f"{cfg.diloco.inner_steps}): a round's outer step lands inside the next round")
+    dl = cfg.diloco
+    if not 1 <= dl.fragments <= dl.inner_steps:
+        raise ConfigError(f"diloco.fragments {dl.fragments} must be in [1, diloco.inner_steps = {dl.inner_steps}]")
+    if not 0 <= dl.delay < dl.inner_steps // dl.fragments:
+        raise ConfigError(f"diloco.delay {dl.delay} must be in [0, diloco.inner_steps // diloco.fragments = "
+                          f"{dl.inner_steps // dl.fragments}): an exchange lands before the next one starts")
+    if not 0.0 <= dl.mix_alpha <= 1.0:
+        raise ConfigError(f"diloco.mix_alpha {dl.mix_alpha} must be in [0, 1]")
+    if dl.fragments > 1 and cfg.logging.dump_tensors:
+        raise ConfigError("logging.dump_tensors records whole rounds: it needs diloco.fragments 1")
     f = cfg.faults
     if (f.hold_round is None) != (not f.hold_file) or (f.hold_round is not None and f.hold_round < 0):
         raise ConfigError("faults.hold_round (a round >= 0) and faults.hold_file go together")

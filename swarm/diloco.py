@@ -59,8 +59,8 @@ class PseudoGradient:
 
 
 class DiLoCo:
-    def __init__(self, model: torch.nn.Module, cfg: OuterConfig, global_device: str = "cpu"):
-        self.model = model
+    def __init__(self, model: torch.nn.Module, cfg: OuterConfig, global_device: str = "cpu", mix_alpha: float = 0.0):
+        self.model, self.mix_alpha = model, mix_alpha  # diloco.mix_alpha: how much local model a landing keeps
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.global_params = [p.detach().to(global_device, torch.float32, copy=True) for p in self.params]
         self.outer_optimizer = torch.optim.SGD(
@@ -79,24 +79,34 @@ class DiLoCo:
         return [torch.empty_like(g) for g in self.global_params]
 
     @torch.no_grad()
-    def outer_step(self, averaged: Sequence[torch.Tensor], keep_local: bool = False) -> None:
-        """Apply the outer optimizer with `averaged` as the gradient, then reset the local model to global (unless
-        `keep_local`: a delayed round moves the local model itself, see swarm/overlap.py)."""
-        if len(averaged) != len(self.global_params):
-            raise ValueError(f"averaged pseudo-gradient has {len(averaged)} tensors, "
-                             f"expected {len(self.global_params)}")
-        for g, delta in zip(self.global_params, averaged):
+    def outer_step(self, averaged: Sequence[torch.Tensor], keep_local: bool = False,
+                   indices: Optional[Sequence[int]] = None, closes_round: bool = True) -> None:
+        """Apply the outer optimizer with `averaged` as the gradient, then move the local model to global (unless
+        `keep_local`: a delayed round moves the local model itself, see swarm/overlap.py), keeping `mix_alpha`
+        of itself. `indices`: a fragment's tensors only (swarm/fragments.py; SGD skips tensors without a
+        gradient, so each fragment's momentum moves with it alone); `closes_round`: count a round."""
+        indices = range(len(self.global_params)) if indices is None else indices
+        targets = [self.global_params[i] for i in indices]
+        if len(averaged) != len(targets):
+            raise ValueError(f"averaged pseudo-gradient has {len(averaged)} tensors, expected {len(targets)}")
+        for g, delta in zip(targets, averaged):
             if delta.shape != g.shape:
                 raise ValueError(f"averaged pseudo-gradient shape {tuple(delta.shape)} != {tuple(g.shape)}")
         with self.changing():
-            for g, delta in zip(self.global_params, averaged):
+            for g, delta in zip(targets, averaged):
                 g.grad = delta.to(g.device, torch.float32)
             self.outer_optimizer.step()
-            for g in self.global_params:
+            for g in targets:
                 g.grad = None
-            self.round += 1
-        if not keep_local:
-            self.sync_local()
+            self.round += closes_round
+        if keep_local:
+            return
+        for i in indices:
+            p, g = self.params[i], self.global_params[i].to(self.params[i].device, self.params[i].dtype)
+            if self.mix_alpha:  # Streaming DiLoCo's merge: alpha * local + (1 - alpha) * new global
+                p.mul_(self.mix_alpha).add_(g, alpha=1 - self.mix_alpha)
+            else:
+                p.copy_(g)
 
     @torch.no_grad()
     def own_outer_step(self, index: int, local: torch.Tensor) -> torch.Tensor:
@@ -121,7 +131,12 @@ class DiLoCo:
         """The outer momentum, one buffer per global parameter; None before the first outer step."""
         state = self.outer_optimizer.state
         buffers = [state.get(g, {}).get("momentum_buffer") for g in self.global_params]
-        return buffers if all(b is not None for b in buffers) else None
+        if all(b is None for b in buffers):
+            return None
+        if any(b is None for b in buffers):  # a fragment that has not stepped yet (swarm/fragments.py): a zero
+            buffers = [torch.zeros_like(g) if b is None else b for b, g in zip(buffers, self.global_params)]
+            self.set_momentum(buffers)  # buffer steps exactly as none does (buf = momentum * 0 + d)
+        return buffers
 
     def set_momentum(self, buffers: Optional[list[torch.Tensor]]) -> None:
         """Install (or, with None, drop) the outer momentum buffers."""

@@ -40,7 +40,8 @@ from swarm.diloco import DiLoCo, PseudoGradient
 
 class Exchange:
     """One round's averaging, started at once in a daemon thread (a peer that stops does not wait for it; every
-    wait inside `Averager.average` ends on its own time-outs)."""
+    wait inside `Averager.average` ends on its own time-outs). `diloco` may be one fragment of the parameters
+    (swarm/fragments.py `Fragment`); its `round` is then the fragment's exchange index."""
 
     def __init__(self, diloco: DiLoCo, averager: Averager, samples: int,
                  residual: Optional[Sequence[torch.Tensor]], **round_facts):
@@ -77,12 +78,14 @@ class Exchange:
 
     @torch.no_grad()
     def land(self, diloco: DiLoCo, averaged: Sequence[torch.Tensor]) -> None:
-        """Commit: the outer step on the global parameters, local += new global - where it resumed from."""
+        """Commit: the outer step on the global parameters, local += (1 - mix_alpha) (new global - where it
+        resumed from); mix_alpha 0 (the default) takes the group's step fully."""
+        keep = 1 - diloco.mix_alpha
         for i, p in enumerate(diloco.params):
-            p.sub_(self._start(diloco, i).to(p.device, p.dtype))
+            p.sub_(self._start(diloco, i).to(p.device, p.dtype), alpha=keep)
         diloco.outer_step(averaged, keep_local=True)
         for p, g in zip(diloco.params, diloco.global_params):
-            p.add_(g.to(p.device, p.dtype))
+            p.add_(g.to(p.device, p.dtype), alpha=keep)
 
     @torch.no_grad()
     def drop(self, diloco: DiLoCo) -> None:

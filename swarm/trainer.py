@@ -27,6 +27,7 @@ from swarm.config import Config
 from swarm.data import TrainBatches, load_corpus
 from swarm.diloco import DiLoCo
 from swarm.errors import SwarmError
+from swarm.fragments import Fragments
 from swarm.history import PeerHistory, RoundRecord, dump_round, history_from_dict, history_to_dict, round_inputs
 from swarm.inner import autocast, build_optimizer, evaluate, forward_backward, lr_lambda
 from swarm.model import build_model, count_parameters
@@ -49,7 +50,10 @@ class Trainer:
         self.batches = TrainBatches(corpus, cfg.data, shard)
         self.eval_batches = corpus.eval_batches(cfg.data)
         self.model = build_model(cfg.model, corpus.tokenizer.vocab_size).to(self.device)
-        self.diloco = DiLoCo(self.model, cfg.outer, cfg.diloco.global_device)
+        self.diloco = DiLoCo(self.model, cfg.outer, cfg.diloco.global_device, cfg.diloco.mix_alpha)
+        # diloco.fragments: the round's own exchange is the last fragment's (all tensors with 1 fragment)
+        self.fragments = Fragments(self.diloco, cfg.diloco, averager, self._settle_checkpoint,
+                                   lambda event: self.history.events.append(event))
         self.precision = autocast(cfg.inner.precision, self.device)
         self.optimizer = build_optimizer(self.model, cfg)
         self.train_model = ranks.wrap(self.model)  # DDP over the peer's ranks, or the model itself
@@ -69,8 +73,9 @@ class Trainer:
 
     # ---- state: the named tensors of swarm/state.py, in checkpoints and for newcomers ------------------
     def _set_position(self, round: int, step: int) -> None:
-        """Round and inner step; the learning-rate schedule follows the step."""
+        """Round and inner step; the learning-rate schedule follows the step. The local model restarts."""
         self.diloco.round, self.step = round, step
+        self.fragments.restart()
         self.scheduler.last_epoch, self.scheduler._step_count = step, step + 1
         lrs = [base * fn(step) for base, fn in zip(self.scheduler.base_lrs, self.scheduler.lr_lambdas)]
         for group, lr in zip(self.optimizer.param_groups, lrs):
@@ -105,9 +110,9 @@ class Trainer:
         for i, e in enumerate(self.error_feedback or []):
             rest[f"error_feedback.{i}"] = e
         rest["rng"] = torch.get_rng_state()
-        # With diloco.delay the local model runs ahead of the committed round; a checkpoint holds the committed
-        # state only, so a resumed peer restarts its local model from it and counts no samples yet.
-        samples = 0 if self.cfg.diloco.delay else self.samples_since_commit
+        # With diloco.delay or fragments the local model runs ahead of the committed state; a checkpoint holds
+        # the committed state only, so a resumed peer restarts its local model from it and counts no samples yet.
+        samples = 0 if self.cfg.diloco.delay or self.fragments.streaming else self.samples_since_commit
         meta = {"round": self.diloco.round, "step": self.step, "samples_since_commit": samples,
                 "history": history_to_dict(self.history)}
         return inner, rest, meta
@@ -229,7 +234,9 @@ class Trainer:
                     if exchange is not None and i + 1 == cfg.delay:  # the last round's outer step lands here
                         paused += self._settle(exchange)
                         exchange = None
-                    if i + 1 < cfg.inner_steps and exchange is None and self.averager.others_ready(self.diloco.round):
+                    paused += self.fragments.after_inner_step(i + 1, self.cfg.data.batch_size)  # diloco.fragments
+                    if i + 1 < cfg.inner_steps and exchange is None and not self.fragments.streaming \
+                            and self.averager.others_ready(self.diloco.round):
                         log.info("round %d: peers wait to average; contributing %d of %d inner steps",
                                  self.diloco.round + 1, i + 1, cfg.inner_steps)
                         self._inject_faults(i + 1, stopping_early=True)
@@ -240,8 +247,9 @@ class Trainer:
                     exchange = None
                 if self.diloco.round >= cfg.rounds:  # a state taken meanwhile ended the run
                     break
-                pseudo_grad = self.diloco.pseudo_gradient(self.error_feedback)
-                if not (all(map(math.isfinite, losses)) and pseudo_grad.is_finite()):
+                boundary = self.fragments.boundary
+                pseudo_grad = boundary.pseudo_gradient(self.error_feedback)
+                if not (all(map(math.isfinite, losses)) and self.diloco.pseudo_gradient().is_finite()):
                     self._recover_from_non_finite(losses)
                     continue
 
@@ -252,15 +260,15 @@ class Trainer:
                 facts = dict(train_loss=sum(losses) / len(losses), compute_s=compute_s, start=start,
                              tokens_per_s=tokens_per_step * len(losses) / compute_s)
                 if cfg.delay:
-                    exchange = Exchange(self.diloco, self.averager, samples, self.error_feedback, **facts)
+                    exchange = Exchange(boundary, self.averager, samples, self.error_feedback, **facts)
                     exchange.dump = round_inputs(exchange.pseudo_grad, samples, self.diloco) if dumping else None
                     continue
                 dump = round_inputs(pseudo_grad, samples, self.diloco) if dumping else None
                 checkpoint = self._checkpoint_due()
                 if checkpoint:  # the AdamW moments go to disk while the round averages
                     self.checkpointer.begin(self._checkpoint_parts()[0])
-                outcome = self.averager.average(self.diloco.round, pseudo_grad, samples, self.diloco.outer_grads(),
-                                                self.diloco.global_sha256())
+                outcome = self.averager.average(boundary.round, pseudo_grad, samples, boundary.outer_grads(),
+                                                boundary.global_sha256())
                 self._after_round(self._close_round(outcome, checkpoint, **facts), dump)
             if self.history.rounds:  # the last round's eval, for watchers
                 self.averager.publish_progress(self.diloco.round, self.step, 0, 0.0, sha256=self.diloco.global_sha256(),
@@ -357,13 +365,13 @@ class Trainer:
         if committed:
             self._settle_checkpoint()
             if exchange is None:
-                self.diloco.outer_step(outcome.averaged)
+                self.fragments.boundary.outer_step(outcome.averaged)
                 self.samples_since_commit = 0
             else:
-                exchange.land(self.diloco, outcome.averaged)
+                exchange.land(self.fragments.boundary, outcome.averaged)
             self.error_feedback = outcome.residual if self.cfg.swarm.error_feedback else None
         elif exchange is not None:
-            exchange.drop(self.diloco)
+            exchange.drop(self.fragments.boundary)
         if not committed and outcome.behind:
             log.warning("round %d: %s", self.diloco.round + 1, outcome.note)
             self.catch_up(outcome.donors or None)
@@ -384,6 +392,7 @@ class Trainer:
             tokens_per_s=tokens_per_s, note=outcome.note, time=time.time(), eval_s=eval_s, wait_s=wait_s,
             start_time=time.time() - (time.perf_counter() - start),
         )
+        self.fragments.fold_into(record)  # diloco.fragments: the round's mid-round exchanges
         self.history.rounds.append(record)
         if checkpoint and committed:  # the rest goes to disk while the next round's inner steps run
             inner, rest, meta = self._checkpoint_parts()
@@ -394,7 +403,7 @@ class Trainer:
         if committed:
             self.averager.offer_state(self.snapshot())
         if exchange is None:
-            record.overhead_s = max(0.0, time.perf_counter() - start - compute_s - outcome.comm_s)
+            record.overhead_s = max(0.0, time.perf_counter() - start - compute_s - record.comm_s)
         else:  # the snapshot and launch of the exchange, then this close
             record.overhead_s = launch_s + time.perf_counter() - close_start
         if committed:
