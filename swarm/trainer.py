@@ -16,30 +16,29 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
 from swarm import state as peer_state
-from swarm.averaging import Averager, Intake, PeerStats, RoundOutcome, Snapshot
+from swarm.averaging import Averager, PeerStats, RoundOutcome
 from swarm.checkpoint import Checkpointer, CorruptCheckpoint
 from swarm.config import Config
 from swarm.data import TrainBatches, load_corpus
 from swarm.diloco import DiLoCo
 from swarm.errors import SwarmError
 from swarm.fragments import Fragments
-from swarm.history import PeerHistory, RoundRecord, dump_round, history_from_dict, history_to_dict, round_inputs
+from swarm.history import PeerHistory, RoundRecord, dump_round, round_inputs
 from swarm.inner import autocast, build_optimizer, evaluate, forward_backward, lr_lambda
 from swarm.model import build_model, count_parameters
 from swarm.overlap import Exchange
-from swarm.ranks import SINGLE, Ranks, share_state
-from swarm.state import TensorSpec
-from swarm.tensors import dtype_of
+from swarm.ranks import SINGLE, Ranks
+from swarm.trainer_state import TrainerState
 
 log = logging.getLogger("swarm.trainer")
 
 
-class Trainer:
+class Trainer(TrainerState):
     """One peer's model, inner optimizer, DiLoCo state and data, with save/restore of all of it."""
 
     def __init__(self, cfg: Config, averager: Averager, peer_id: str, shard: int, out_dir: Path,
@@ -82,98 +81,6 @@ class Trainer:
             group["lr"] = lr
         self.scheduler._last_lr = lrs
         peer_state.set_optimizer_step(self.optimizer, step)
-
-    def snapshot(self) -> Snapshot:
-        """What this peer now holds, to serve; also recorded as where it stands (summary.json)."""
-        sha = self.diloco.global_sha256()
-        self.history.final_round, self.history.final_global_sha256 = self.diloco.round, sha
-        return Snapshot(self.diloco.round, sha, {"round": self.diloco.round, "step": self.step},
-                        peer_state.shared_tensors(self.diloco, self.optimizer), self.diloco.version,
-                        lambda: self.diloco.version)
-
-    def intake(self) -> Intake:
-        def accept(meta: dict[str, Any]) -> None:
-            round, step = meta.get("round"), meta.get("step")
-            if not (isinstance(round, int) and isinstance(step, int) and round >= 0 and step >= 0):
-                raise ValueError(f"state position round={round!r} step={step!r} is not a pair of counts")
-            self._set_position(round, step)
-            self.samples_since_commit = 0
-            self.error_feedback = None  # it belonged to the local progress we just dropped
-            self.diloco.sync_local()
-        return Intake(lambda specs: peer_state.destinations(self.diloco, self.optimizer, specs), accept)
-
-    def _checkpoint_parts(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
-        """(tensors the next inner step changes, the rest, meta) of this peer's checkpoint."""
-        shared = peer_state.shared_tensors(self.diloco, self.optimizer)
-        inner = {k: t for k, t in shared.items() if k.startswith("adam.")}
-        rest = {k: t for k, t in shared.items() if k not in inner}
-        for i, e in enumerate(self.error_feedback or []):
-            rest[f"error_feedback.{i}"] = e
-        rest["rng"] = torch.get_rng_state()
-        # With diloco.delay or fragments the local model runs ahead of the committed state; a checkpoint holds
-        # the committed state only, so a resumed peer restarts its local model from it and counts no samples yet.
-        samples = 0 if self.cfg.diloco.delay or self.fragments.streaming else self.samples_since_commit
-        meta = {"round": self.diloco.round, "step": self.step, "samples_since_commit": samples,
-                "history": history_to_dict(self.history)}
-        return inner, rest, meta
-
-    def save_checkpoint(self) -> None:
-        if self.checkpointer is not None:
-            inner, rest, meta = self._checkpoint_parts()
-            self.checkpointer.save({**inner, **rest}, meta)
-
-    def _settle_checkpoint(self) -> None:
-        """Before the global parameters or outer momentum change: the checkpoint being written still reads them."""
-        if self.checkpointer is not None:
-            self.checkpointer.wait()
-
-    def resume(self) -> bool:
-        """Restore from this peer's checkpoint (if any and enabled); True if restored."""
-        if self.checkpointer is None or not self.cfg.checkpoint.resume or not self.checkpointer.exists():
-            return False
-        extras: dict[str, torch.Tensor] = {}
-
-        def destinations(specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
-            specs = sorted(specs, key=lambda s: peer_state.canonical(s.name))  # written moments first
-            shared = [s for s in specs if not s.name.startswith(("error_feedback.", "rng"))]
-            extras.update({s.name: torch.empty(s.shape, dtype=dtype_of(s.dtype)) for s in specs if s not in shared})
-            return {**peer_state.destinations(self.diloco, self.optimizer, shared), **extras}
-
-        with self.diloco.changing():
-            meta = self.checkpointer.load(destinations)
-        self._set_position(meta["round"], meta["step"])
-        self.samples_since_commit = meta["samples_since_commit"]
-        self.diloco.sync_local()
-        self.history = history_from_dict(meta["history"])
-        torch.set_rng_state(extras["rng"])
-        feedback = sorted((k for k in extras if k.startswith("error_feedback.")), key=lambda k: int(k.split(".")[1]))
-        self.error_feedback = [extras[k] for k in feedback] or None
-        log.info("resumed from %s at round %d (inner step %d)", self.checkpointer.path, self.diloco.round, self.step)
-        return True
-
-    def catch_up(self, donors: Optional[list[str]] = None, must: bool = False) -> bool:
-        """Take the swarm's state if it is ahead of ours (from `donors` if given; any state with `must`)."""
-        before, sha = self.diloco.round, self.diloco.global_sha256()
-        self._settle_checkpoint()
-        with self.diloco.changing():
-            got = self.averager.fetch_state(self.intake(), before, sha, donors, must)
-            self._share_state()
-        if got is not None:
-            log.info("caught up from round %d to round %d from a peer's state", before, self.diloco.round)
-            self.history.events.append({"event": "state_downloaded", "time": time.time(), "from_round": before,
-                                        "to_round": self.diloco.round, "donor": got.donor, "bytes": got.bytes,
-                                        "seconds": got.seconds})
-        self.averager.offer_state(self.snapshot())
-        return got is not None
-
-    def _share_state(self) -> None:
-        """A multi-process peer: every rank takes rank 0's state (resumed, downloaded, or its own)."""
-        position = share_state(self.ranks, lambda: peer_state.shared_tensors(self.diloco, self.optimizer),
-                               lambda specs: peer_state.destinations(self.diloco, self.optimizer, specs),
-                               (self.diloco.round, self.step))
-        if position is not None and not self.ranks.endpoint:
-            self._set_position(*position)
-            self.diloco.sync_local()
 
     # ---- the loop ------------------------------------------------------------------------------------
     def inner_step(self) -> float:
