@@ -85,7 +85,10 @@ def test_monitor_page_lists_live_peers_and_charts_eval_loss(tmp_path):
     launcher = subprocess.Popen(
         [sys.executable, "-m", "swarm.cli", "local", "--config", "configs/tiny.yaml", "--peers", "2", "--rounds", "500",
          "--diloco.inner_steps", "8", *SMALL, "--out", str(tmp_path / "run"), "--monitor-port", str(port)],
-        cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+        # a test run started in the background of a script (`make test &`) ignores SIGINT, and so would the
+        # launcher (an ignored signal stays ignored across exec): give it Ctrl-C back
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     second = None
     try:
         url = wait_for("monitor URL", lambda: re.search(r"monitor at (http://\S+/)", log.read_text()), deadline,

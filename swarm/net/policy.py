@@ -69,14 +69,19 @@ def _lower_median(values: list[int]) -> int:
 def plausible(me: str, progress: Sequence[ProgressRecord], commits: Mapping[str, CommitRecord], now: float,
               window: float) -> tuple[list[ProgressRecord], dict[str, CommitRecord]]:
     """The records whose round is at most one past the others' majority (ours are always kept). One round
-    per other peer: its live progress record's, else its last commit's. The ceiling is one past the lower
-    median of those rounds, or of the live ones alone if that is higher (peers that left long ago do not
-    hold back the live swarm)."""
+    per other peer: its live progress record's, else its last commit's. With other peers live, the ceiling
+    is one past the lower median of those rounds, or of the live ones alone if that is higher (peers that
+    left long ago do not hold back the live swarm). With nobody else live, one past the upper median of the
+    last commits: a peer restarted after the swarm finished (its own former id among the commits, one round
+    in) still learns how far the swarm got, and one forged commit among honest ones is still outvoted."""
     live = {r.peer_id: r.round for r in progress if is_live(r, now, window) and r.peer_id != me}
     rounds = [*live.values(), *(c.round for p, c in commits.items() if p != me and p not in live)]
     if not rounds:
         return list(progress), dict(commits)
-    ceiling = max(_lower_median(rounds), _lower_median(list(live.values())) if live else 0) + 1
+    if live:
+        ceiling = max(_lower_median(rounds), _lower_median(list(live.values()))) + 1
+    else:
+        ceiling = sorted(rounds)[len(rounds) // 2] + 1
     return ([r for r in progress if r.peer_id == me or r.round <= ceiling],
             {p: c for p, c in commits.items() if p == me or c.round <= ceiling})
 

@@ -88,6 +88,8 @@ CLAIMS = [
      Verdict.AVERAGE),
     ("a forged commit among peers that left", [], {"x": commit(6), "y": commit(6), "evil": commit(FORGED, C)}, 6,
      Verdict.BEHIND),
+    ("restarted after the swarm finished, our former id among the commits", [],
+     {"former-me": commit(1), "a": commit(4)}, 4, Verdict.BEHIND),
     ("live peers one round ahead are believed", [progress("p", 4, B), progress("q", 4, B)], {}, 4, Verdict.BEHIND),
     ("live peers far ahead (we restarted late) are believed", [progress("p", 9, B), progress("q", 9, B)], {}, 9,
      Verdict.BEHIND),
