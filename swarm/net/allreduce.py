@@ -256,7 +256,7 @@ class AllReduce(GroupSlots):
     async def _serve_contributions(self, channel: Channel) -> None:
         """One member's stream to us, the owner of our part: its chunks in, our part's averages out."""
         if not self.access.admits(channel.peer):
-            return await channel.fail(self.access.refusal(channel.peer))
+            return await channel.refuse(self.access.refusal(channel.peer))
         try:
             hello = await channel.recv_control()
         except ProtocolError as e:  # no honest peer sends that: name it in the groups that wait for it
@@ -273,13 +273,13 @@ class AllReduce(GroupSlots):
         i = group.members.index(channel.peer) if channel.peer in group.members else None
         weight = hello.get("weight")
         if i is None or i in group.hello:
-            return await channel.fail(f"{channel.peer} is not a groupmate that may push to us")
+            return await channel.refuse(f"{channel.peer} is not a groupmate that may push to us")
         group.hello.add(i)
         if weight != group.weights[i]:
             reason = f"part {group.me}: {channel.peer} sent weight {weight!r}, not the {group.weights[i]} it announced"
             logger.warning(f"all-reduce: rejected the contribution of {channel.peer}: bad weight {weight!r}")
             await group.fail(reason, channel.peer)
-            return await channel.fail(reason)
+            return await channel.refuse(reason)
         sending = asyncio.ensure_future(self._send_results(group, i, channel))
         try:
             await self._take_contributions(group, i, channel)

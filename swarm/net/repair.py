@@ -47,14 +47,14 @@ async def repair(ar: AllReduce, group: GroupState, j: int, lost: Exception) -> N
 async def serve_repair(ar: AllReduce, channel: Channel) -> None:
     """Send part j of a complete group's average, in fp32, to a groupmate that lost j's owner."""
     if not ar.access.admits(channel.peer):
-        return await channel.fail(ar.access.refusal(channel.peer))
+        return await channel.refuse(ar.access.refusal(channel.peer))
     hello = await channel.recv_control()
     group = ar.held(hello.get("group"))
     j, start = hello.get("part"), hello.get("start")
     valid = (group is not None and channel.peer in group.members and isinstance(j, int)
              and 0 <= j < len(group.members) and isinstance(start, int) and 0 <= start <= len(group.chunks[j]))
     if not valid:
-        return await channel.fail("no such group or part here")
+        return await channel.refuse("no such group or part here")
     channel.count_into(group.traffic)
     try:
         await group.wait_for(lambda: group.have[j] == len(group.chunks[j]), ar.stall, f"part {j}")

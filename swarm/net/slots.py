@@ -73,13 +73,13 @@ class GroupSlots:
     async def _wait_group(self, group_id: object, channel: Channel) -> Optional[GroupState]:
         """The group a stream names; a member may push before we left matchmaking, so wait up to `stall`."""
         if not isinstance(group_id, bytes):
-            await channel.fail("malformed group id")
+            await channel.refuse("malformed group id")
             return None
         slot = self._groups.get(group_id)
         if slot is None:
             if (sum(not f.done() for f in self._groups.values()) >= MAX_PENDING_GROUPS
                     or self._opened[channel.peer] >= MAX_PENDING_PER_PEER):
-                await channel.fail("too many unknown groups pending")
+                await channel.refuse("too many unknown groups pending")
                 return None
             slot = self._groups[group_id] = asyncio.get_running_loop().create_future()
         self._opened[channel.peer] += 1
@@ -88,7 +88,7 @@ class GroupSlots:
         except TimeoutError:
             if self._groups.get(group_id) is slot and not slot.done():
                 del self._groups[group_id]
-            await channel.fail(f"group {group_id.hex()[:8]} never started here")
+            await channel.refuse(f"group {group_id.hex()[:8]} never started here")
         except AllReduceFailed as e:
             await channel.fail(str(e))
         finally:

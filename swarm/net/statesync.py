@@ -86,12 +86,12 @@ class StateServer:
     async def _serve(self, channel: Channel) -> None:
         await channel.recv_control()
         if not self.access.admits(channel.peer):
-            return await channel.fail(self.access.refusal(channel.peer))
+            return await channel.refuse(self.access.refusal(channel.peer))
         snapshot = self.snapshot
         if snapshot is None or snapshot.current_version() != snapshot.version:
-            return await channel.fail("no state to serve right now")
+            return await channel.refuse("no state to serve right now")
         if self._busy >= MAX_DOWNLOADS:
-            return await channel.fail(f"serving {self._busy} downloads already; try another donor")
+            return await channel.refuse(f"serving {self._busy} downloads already; try another donor")
         self._busy += 1
         try:
             specs = [TensorSpec.of(name, t) for name, t in snapshot.tensors.items()]

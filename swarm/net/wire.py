@@ -153,6 +153,20 @@ class Channel:
         except (WireError, TimeoutError):
             pass
 
+    async def refuse(self, reason: str) -> None:
+        """`fail`, then wait (at most min(stall, 5) s) for the peer to close, discarding what it still sends.
+        For a handler that turns a stream away, with no other task reading it: closing at once resets the
+        stream when bytes the peer wrote before reading our FAIL (its HELLO, its chunks) arrive after the
+        close, and a reset loses the FAIL in flight, so the peer saw "closed the stream" instead of the
+        reason (a refused stranger in tests/net/test_trust.py, 3 runs in 15)."""
+        await self.fail(reason)
+        try:
+            async with asyncio.timeout(min(self.stall, 5.0)):
+                while await self.reader.read(PIECE):
+                    pass
+        except (TimeoutError, ConnectionError):
+            pass
+
     def close(self) -> None:
         if not self.writer.is_closing():
             self.writer.close()
