@@ -11,7 +11,7 @@ calls in with bounded waits:
   (`budget.round_deadline`, from the vector's bytes), after which the round is discarded (averaged=None),
   never half-averaged. A peer that meets nobody and that the records show alone applies its own step.
 - `publish_progress()`, `others_ready()`: this peer's signed progress record and the others' (records.py).
-- `offer_state()`: serve this snapshot to newcomers and record the commit (`{run_id}_commits`).
+- `offer_state()`: record the commit (`{run_id}_commits`), then serve this snapshot to newcomers (records.py).
 - `fetch_state()`: take the swarm's state from the donors the policy names, verified against the hash the
   swarm committed; SwarmError if the swarm is ahead and no donor can give it within the live window plus
   `stall_timeout`.
@@ -84,6 +84,10 @@ class SwarmAverager(Records, Averager):
         self._averaged_once = False  # until a first group, peers starting with us may not have a record yet
         self._dht_lock = threading.Lock()  # the trainer's thread and the heartbeat share the DHT's pipe
         self._stopping = threading.Event()
+        self._progress_due = threading.Event()
+        self._commit_lock = threading.Lock()
+        self._offered: Optional[Snapshot] = None  # the state offer_state was last given (None: withdrawn)
+        self._pending_commit: Optional[Snapshot] = None  # offered, its commit record not stored yet
         self._pool = concurrent.futures.ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 2)),
                                                            thread_name_prefix="swarm-cpu")
         # The averager forks a process: create it before our threads exist.
@@ -217,26 +221,10 @@ class SwarmAverager(Records, Averager):
 
     # ---- state ----------------------------------------------------------------------------------------
 
-    def offer_state(self, snapshot: Snapshot) -> None:
-        """Record the commit first, then serve: a newcomer checks what it downloads against these records."""
-        now = get_dht_time()
-        record = schema.CommitRecord(name=self.peer_name, round=snapshot.round, sha256=snapshot.sha256, time=now)
-        with self._dht_lock:
-            future = self.dht.store(schema.commits_key(self.cfg.run_id), record.dict(), subkey=self._owner,
-                                    expiration_time=now + schema.RUN_RECORD_EXPIRATION, return_future=True)
-        try:
-            future.result(timeout=self.cfg.request_timeout)
-        except concurrent.futures.TimeoutError:
-            logger.warning(f"commit record of round {snapshot.round} not confirmed within "
-                           f"{self.cfg.request_timeout:g} s")
-        self._committed = snapshot.sha256
-        if not self.cfg.client_mode:  # a client cannot be dialed: it never serves (its record says so)
-            self._server.snapshot = snapshot
-
     def fetch_state(self, intake: Intake, round: int, sha256: str, donors: Optional[list[str]] = None,
                     must: bool = False) -> Optional[Download]:
-        self._server.snapshot = None  # our state is about to be overwritten: serve nothing meanwhile
-        self.publish_progress(round, 0, 0, 0.0, ready=False, sha256=sha256)
+        self._withdraw_state()  # our state is about to be overwritten: serve nothing meanwhile
+        self.publish_progress(round, 0, 0, 0.0, ready=False, sha256=sha256, wait=True)
         start, tried = time.monotonic(), {}
         deadline = start + live_window(self.cfg) + self.cfg.stall_timeout
         written = []  # a refused download may have overwritten part of our state: then only a whole one may follow
@@ -307,7 +295,8 @@ class SwarmAverager(Records, Averager):
         Peers that finished announce it (a record at their final round), so in a swarm where nobody is
         behind this returns at once. A client (`swarm.client_mode`) serves nothing: it returns at once.
         """
-        self.publish_progress(round, 0, 0, 0.0, sha256=self._committed)
+        self._flush_commit()
+        self.publish_progress(round, 0, 0, 0.0, sha256=self._committed, wait=True)
         if self.cfg.client_mode:
             return
         deadline, waiting_for = time.monotonic() + self.cfg.linger_time, None
@@ -337,7 +326,9 @@ class SwarmAverager(Records, Averager):
 
     def close(self) -> None:
         self._stopping.set()
+        self._progress_due.set()  # wakes the heartbeat, which sees _stopping
         self._beat.join(self.cfg.request_timeout + self.cfg.progress_interval)
+        self._flush_commit()  # a commit offered just before leaving: others take their bearings from it
         if self._thread.is_alive():
             if hasattr(self, "_allreduce"):  # serve our last parts to groupmates still taking them, then stop
                 try:

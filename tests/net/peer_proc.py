@@ -93,8 +93,8 @@ def main(job: dict) -> None:
         if job["mode"] == "huge":
             grad = [t * 1e6 for t in grad]
         # serve a state (never downloaded here) so that the policy counts this peer as a donor
-        averager.offer_state(Snapshot(job["round"], job["base"], {}, {}, 0, lambda: 0))
-        averager.publish_progress(job["round"], 0, job["samples"], 1.0, sha256=job["base"])
+        averager.offer_state(Snapshot(job["round"], job["base"], {}, {}, 0, lambda: 0), wait=True)
+        averager.publish_progress(job["round"], 0, job["samples"], 1.0, sha256=job["base"], wait=True)
         Path(job["ready"]).touch()
         while not os.path.exists(job["go"]):
             time.sleep(0.05)

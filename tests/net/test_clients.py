@@ -122,15 +122,20 @@ class _DHT:
 
 @pytest.mark.parametrize("client", [True, False])
 def test_a_client_records_its_commits_but_never_serves_its_state(client):
+    """offer_state returns at once; the commit is recorded (by the heartbeat, or before the last progress
+    record at the latest), and only then served, by a peer that is not a client."""
     published = []
-    averager = SimpleNamespace(cfg=SwarmConfig(client_mode=client, linger_time=0.0), peer_name="home", _owner=b"o",
-                               _dht_lock=threading.Lock(), dht=_DHT(), _server=SimpleNamespace(snapshot=None),
-                               _committed="", publish_progress=lambda *a, **k: published.append(k["sha256"]),
-                               peers=lambda: [])
+    averager = object.__new__(SwarmAverager)
+    vars(averager).update(cfg=SwarmConfig(client_mode=client, linger_time=0.0), peer_name="home", _owner=b"o",
+                          _dht_lock=threading.Lock(), dht=_DHT(), _server=SimpleNamespace(snapshot=None),
+                          _committed="", _commit_lock=threading.Lock(), _offered=None, _pending_commit=None,
+                          _progress_due=threading.Event(), _stopping=threading.Event(), peers=lambda: [],
+                          publish_progress=lambda *a, **k: published.append(k["sha256"]))
     snapshot = SimpleNamespace(round=2, sha256="ab" * 32)
-    SwarmAverager.offer_state(averager, snapshot)
+    averager.offer_state(snapshot)
+    assert averager.dht.stored == [] and averager._server.snapshot is None and averager._progress_due.is_set()
+    averager.finish(2)
     assert [(key, value["round"], value["sha256"]) for key, value in averager.dht.stored] == [
         (schema.commits_key(averager.cfg.run_id), 2, "ab" * 32)]
     assert averager._server.snapshot is (None if client else snapshot)  # `serves_state` is this, not None
-    SwarmAverager.finish(averager, 2)
     assert published == ["ab" * 32]  # its final record names the hash it committed

@@ -59,8 +59,8 @@ class Peer:
             return self.averager.fetch_state(self.intake(), self.diloco.round, self.diloco.global_sha256())
 
     def publish(self) -> None:
-        self.averager.offer_state(self.snapshot())
-        self.averager.publish_progress(self.diloco.round, 0, 0, 0.0, sha256=self.diloco.global_sha256())
+        self.averager.offer_state(self.snapshot(), wait=True)
+        self.averager.publish_progress(self.diloco.round, 0, 0, 0.0, sha256=self.diloco.global_sha256(), wait=True)
 
 
 @pytest.fixture
@@ -157,11 +157,11 @@ def test_alone_and_behind(pair):
     donor, newcomer = pair
     grad = PseudoGradient([torch.ones(3), torch.zeros(2, 2)], [torch.zeros(3), torch.zeros(2, 2)])
     out = [torch.empty(3), torch.empty(2, 2)]
-    donor.averager.publish_progress(7, 0, 0, 0.0, sha256="c" * 64)
-    newcomer.averager.publish_progress(5, 0, 0, 0.0, sha256="d" * 64)
+    donor.averager.publish_progress(7, 0, 0, 0.0, sha256="c" * 64, wait=True)
+    newcomer.averager.publish_progress(5, 0, 0, 0.0, sha256="d" * 64, wait=True)
     outcome = newcomer.averager.average(5, grad, 10, out, "d" * 64)  # the swarm is at round 7: take its state
     assert outcome.averaged is None and outcome.behind, outcome.note
-    newcomer.averager.publish_progress(9, 0, 0, 0.0, sha256="e" * 64)
+    newcomer.averager.publish_progress(9, 0, 0, 0.0, sha256="e" * 64, wait=True)
     outcome = newcomer.averager.average(9, grad, 10, out, "e" * 64)  # nobody at round 9 or beyond: our own step
     assert outcome.note == "alone" and all(torch.equal(a, b) for a, b in zip(outcome.averaged, grad.tensors()))
     bad = PseudoGradient([torch.zeros(1)], [torch.tensor([float("nan")])])  # the local model went NaN
@@ -209,9 +209,9 @@ def test_expected_group_counts_peers_not_yet_reported_at_the_round(pair):
     """A peer whose record still shows the round before may be about to average this one: a group that
     closed without it would split the round (seen with records published only when ready)."""
     donor, newcomer = pair
-    newcomer.averager.publish_progress(5, 0, 0, 0.0)
+    newcomer.averager.publish_progress(5, 0, 0, 0.0, wait=True)
     for donor_round, expected in ((5, 2), (4, 2), (3, 1)):
-        donor.averager.publish_progress(donor_round, 0, 0, 0.0)
+        donor.averager.publish_progress(donor_round, 0, 0, 0.0, wait=True)
         assert newcomer.averager._assess(5, "", commits=False).expected_group == expected, donor_round
 
 
