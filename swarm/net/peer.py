@@ -88,6 +88,7 @@ class SwarmAverager(Records, Averager):
         self._commit_lock = threading.Lock()
         self._offered: Optional[Snapshot] = None  # the state offer_state was last given (None: withdrawn)
         self._pending_commit: Optional[Snapshot] = None  # offered, its commit record not stored yet
+        self._storing: set[concurrent.futures.Future] = set()
         self._pool = concurrent.futures.ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 2)),
                                                            thread_name_prefix="swarm-cpu")
         # The averager forks a process: create it before our threads exist.

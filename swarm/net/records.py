@@ -53,6 +53,7 @@ class Records:
     _commit_lock: threading.Lock
     _offered: Optional[Snapshot]
     _pending_commit: Optional[Snapshot]
+    _storing: set[concurrent.futures.Future]  # stores not answered yet, that the heartbeat did not wait for
 
     def publish_progress(self, round: int, inner_step: int, samples: int, samples_per_s: float,
                          ready: bool = False, sha256: str = "", stats: Optional[PeerStats] = None,
@@ -90,12 +91,14 @@ class Records:
         slow link a store took seconds, and a ready record queued behind it let a faster peer's group
         close before the stragglers that it should have cut short arrived (a round split in two groups)."""
         def confirmed(done: concurrent.futures.Future) -> None:
+            self._storing.discard(done)
             if not done.cancelled() and not self._stopping.is_set():  # stopping: the DHT may be gone first
                 if done.exception() is not None or not done.result():
                     logger.warning(f"{what} was not stored: {done.exception() or 'no DHT peer accepted it'}")
             if then is not None:
                 then()
         if not wait:
+            self._storing.add(future)  # hivemind drops the answer to a future nobody holds, callbacks and all
             future.add_done_callback(confirmed)
         elif concurrent.futures.wait([future], timeout=self.cfg.request_timeout).done:
             confirmed(future)

@@ -2,7 +2,9 @@
 thread, which does not wait for the DHT's answers either (swarm/net/records.py)."""
 
 import concurrent.futures
+import gc
 import threading
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -25,13 +27,28 @@ class _SilentDHT:
         return concurrent.futures.Future()
 
 
+class _LateDHT(_SilentDHT):
+    """Answers later, and like hivemind's MPFuture holds only a weak reference to each future it will answer."""
+
+    def store(self, key, value, subkey, expiration_time, return_future):
+        future = super().store(key, value, subkey, expiration_time, return_future)
+        self.pending = [*getattr(self, "pending", []), weakref.ref(future)]
+        return future
+
+    def answer(self) -> None:
+        for ref in self.pending:
+            if (future := ref()) is not None:
+                future.set_result(True)
+
+
 def _averager(dht) -> SwarmAverager:
     averager = object.__new__(SwarmAverager)
     vars(averager).update(cfg=SwarmConfig(request_timeout=600.0, progress_interval=600.0), peer_id="me",
                           peer_name="peer-0", _owner=b"o", _dht_lock=threading.Lock(), dht=dht, hooks=Hooks(),
                           _server=SimpleNamespace(snapshot=None), _stats=PeerStats(), _last_progress=None,
                           _published=None, _committed="", _commit_lock=threading.Lock(), _offered=None,
-                          _pending_commit=None, _progress_due=threading.Event(), _stopping=threading.Event())
+                          _pending_commit=None, _progress_due=threading.Event(), _stopping=threading.Event(),
+                          _storing=set())
     return averager
 
 
@@ -61,3 +78,18 @@ def test_the_trainer_and_the_heartbeat_never_wait_for_the_dht():
     assert keys[0] == schema.commits_key("swarm-tiny") and set(keys[1:]) == {schema.progress_key("swarm-tiny")}
     assert stored_steps() == sorted(stored_steps()) and stored_steps()[-1] == 9
     assert averager._server.snapshot is None  # its commit record never confirmed: not served yet
+
+
+@pytest.mark.timeout(30)
+def test_a_state_is_served_once_its_commit_record_is_confirmed_later():
+    """The heartbeat does not wait for the commit record's store; when the DHT answers later, the peer serves
+    the state (hivemind answers only futures someone still holds: the peer keeps them until answered)."""
+    dht = _LateDHT()
+    averager = _averager(dht)
+    snapshot = SimpleNamespace(round=3, sha256="ab" * 32)
+    averager.offer_state(snapshot)
+    averager._flush_commit(wait=False)
+    gc.collect()
+    assert averager._server.snapshot is None
+    dht.answer()
+    assert averager._server.snapshot is snapshot and not averager._storing
