@@ -155,6 +155,12 @@ def utilization(peer: dict) -> dict:
     wall = max(r["time"] for r in rounds) - rounds[0]["start_time"]
     compute = sum(r["compute_s"] for r in rounds)
     tokens = sum(r["tokens_per_s"] * r["compute_s"] for r in rounds)
-    return {"utilization": compute / wall, "compute_s": compute, "wall_s": wall, "tokens": tokens,
+    # The steady state: from the start of round 2 to the start of the last round (round 1's warm-up, the last
+    # round's exchange with no inner steps to hide behind and the final eval left out), as a long run sees it.
+    middle = rounds[1:-1]
+    steady = (sum(r["compute_s"] for r in middle) / (rounds[-1]["start_time"] - middle[0]["start_time"])
+              if middle else None)
+    return {"utilization": compute / wall, "steady": steady, "compute_s": compute, "wall_s": wall, "tokens": tokens,
+            "overhead_s_per_round": sum(r["overhead_s"] - r["eval_s"] for r in rounds) / len(rounds),
             "comm_s_per_round": sum(r["comm_s"] for r in rounds) / len(rounds), "rounds": len(rounds),
             "bytes_sent_per_round": sum(r["bytes_sent"] for r in rounds) / len(rounds)}

@@ -2,13 +2,14 @@
 and with every peer in its own network namespace behind a tbf-shaped link, per H and per compression, next to
 the round model's prediction
 
-    utilization ~ H t_step / (H t_step + max(0, t_matchmaking + t_allreduce - delay t_step)),
+    utilization ~ H t_step / (H t_step + max(0, t_matchmaking + t_allreduce - delay t_step) + t_other),
     t_allreduce ~ 2(n-1)/n bytes / bandwidth
 
 with t_step measured in the same run, 2(n-1)/n bytes = the bytes a peer sent per round (bench/traffic.py checks
 them against the bound), and t_matchmaking = the comm seconds per round of the loopback run of the same
 (H, compression), where bandwidth costs nothing. With `diloco.delay` the exchange runs behind the next round's
-first `delay` inner steps, and only what they do not hide stops the compute.
+first `delay` inner steps, and only what they do not hide stops the compute. t_other (outer step, hashing, the
+exchange's launch) is measured per round. Reported for the steady state (rounds 2 to R-1) and the whole run.
 """
 
 from __future__ import annotations
@@ -41,14 +42,15 @@ SCALE = dict(peers=8, link_bits=1e9, H=500, t_mm=1.0, models=[("1B", 1e9, 0.1), 
 
 
 def round_model(h: int, t_step: float, t_comm: float, delay: int, rounds: Optional[int] = None,
-                fragments: int = 1) -> float:
+                fragments: int = 1, t_other: float = 0.0) -> float:
     """Compute utilization over `rounds` rounds (None: the steady state) of H inner steps each, with `fragments`
     exchanges of `t_comm` s per round: each stops the compute for whatever of it the `delay` inner steps after
-    its start do not hide; the last exchange has nothing to hide behind."""
+    its start do not hide; the last exchange has nothing to hide behind. `t_other`: the rest of a round that is
+    neither inner steps nor exchange (outer step, hashing, the exchange's launch), measured."""
     blocked = max(0.0, t_comm - delay * t_step)
     if rounds is None:
-        return h * t_step / (h * t_step + fragments * blocked)
-    return rounds * h * t_step / (rounds * h * t_step + (rounds * fragments - 1) * blocked + t_comm)
+        return h * t_step / (h * t_step + fragments * blocked + t_other)
+    return rounds * h * t_step / (rounds * h * t_step + (rounds * fragments - 1) * blocked + t_comm + rounds * t_other)
 
 
 def projection() -> str:
@@ -88,7 +90,7 @@ def run(quick: bool) -> dict:
                 result = run_swarm(cfg, n, Path(tmp) / f"{link or 'lo'}-h{h}-{comp}-d{delay}", rate=link)
                 peers = [utilization(p) for p in result["peers"] if p["rounds"]]
                 if not peers:
-                    rows.append([link or "loopback", h, comp, delay, "failed", "", "", "", "", ""])
+                    rows.append([link or "loopback", h, comp, delay, "failed", *[""] * 8])
                     runs.append(dict(link=link, H=h, compression=comp, delay=delay, failed=result["failed"]))
                     continue
                 tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
@@ -99,27 +101,37 @@ def run(quick: bool) -> dict:
                     mm[(h, comp)] = comm
                 t_mm = mm.get((h, comp), 0.0)
                 t_ar = 0.0 if link is None else sent * 8 / rate_bits(link)
-                predicted = round_model(h, t_step, t_mm + t_ar, delay, cfg.diloco.rounds)
+                t_other = statistics.mean(p["overhead_s_per_round"] for p in peers)
+                predicted = round_model(h, t_step, t_mm + t_ar, delay, cfg.diloco.rounds, t_other=t_other)
+                steady_model = round_model(h, t_step, t_mm + t_ar, delay, t_other=t_other)
                 utils = [p["utilization"] for p in peers]
+                steady = [p["steady"] for p in peers]
                 runs.append(dict(link=link, H=h, compression=comp, delay=delay, steps=steps, peers=peers,
                                  t_step=t_step, comm_s_per_round=comm, bytes_sent_per_round=sent, t_matchmaking=t_mm,
-                                 t_allreduce_model=t_ar, predicted=predicted, failed=result["failed"],
+                                 t_allreduce_model=t_ar, t_other=t_other, predicted=predicted,
+                                 predicted_steady=steady_model, failed=result["failed"],
                                  swarm_wall_s=result["wall_s"], shaped_bytes=result["shaped_bytes"],
                                  round_records=[p["rounds"] for p in result["peers"]]))
                 if link and sum(result["shaped_bytes"].values()) < len(peers) * sent:
                     raise RuntimeError(f"{link}: the traffic did not go through the shaped links")
-                rows.append([link or "loopback", h, comp, delay, f"{statistics.mean(utils):.1%}",
-                             f"{min(utils):.1%}–{max(utils):.1%}", f"{predicted:.1%}", f"{t_step * 1e3:.0f}",
-                             f"{comm:.2f}", f"{t_mm:.2f} + {t_ar:.2f}"])
-                print(f"  utilization: {link or 'loopback'} H={h} {comp} delay {delay}: {statistics.mean(utils):.1%} "
-                      f"(model {predicted:.1%})", flush=True)
-    table = md_table(["link", "H", "compression", "delay", "utilization (mean)", "min–max over peers", "round model",
-                      "t_step ms", "comm s / round", "model: t_mm + t_allreduce s"], rows)
+                rows.append([link or "loopback", h, comp, delay, f"{statistics.mean(steady):.1%}",
+                             f"{min(steady):.1%}–{max(steady):.1%}", f"{steady_model:.1%}",
+                             f"{statistics.mean(utils):.1%}", f"{predicted:.1%}", f"{t_step * 1e3:.0f}",
+                             f"{comm:.2f}", f"{t_mm:.2f} + {t_ar:.2f}", f"{t_other:.2f}"])
+                print(f"  utilization: {link or 'loopback'} H={h} {comp} delay {delay}: steady "
+                      f"{statistics.mean(steady):.1%} (model {steady_model:.1%}), whole run "
+                      f"{statistics.mean(utils):.1%} (model {predicted:.1%})", flush=True)
+    table = md_table(["link", "H", "compression", "delay", "steady state (mean)", "min–max over peers", "round model",
+                      "whole run (mean)", "round model, whole run", "t_step ms", "comm s / round",
+                      "model: t_mm + t_allreduce s", "t_other s"], rows)
     table += (f"\n\n{n} peers + a bootstrap, each its own process (1 torch thread) on 2 shared cores; shaped links: "
-              f"every process in its own network namespace, tbf on both directions of its veth. Utilization "
-              f"excludes start-up and includes the last round's exchange; the model's t_mm is the loopback run's "
-              f"comm time per round (blocking), and with a delay the exchange hides behind that many inner steps "
-              f"(except the last).{note}\n\nThe round model projected "
+              f"every process in its own network namespace, tbf on both directions of its veth. Steady state: "
+              f"inner-step seconds / wall seconds from the start of round 2 to the start of the last round, as in "
+              f"a long run; whole run: from the start of round 1 to the end of the last (its exchange, which "
+              f"nothing hides, and the final eval included). The model's t_mm is the loopback run's comm time per "
+              f"round (blocking), with a delay the exchange hides behind that many inner steps (except the last), "
+              f"and t_other is the rest of a round outside inner steps and exchange, measured "
+              f"(round records' overhead_s less eval_s).{note}\n\nThe round model projected "
               f"to GPU-cluster peers ({SCALE['peers']} peers, 1 Gbit/s links, H={SCALE['H']}; t_step 0.1 s at 1B and "
               f"2.4 s at 30B, from the Streaming DiLoCo paper's simulation; measured wire bytes per codec):\n\n"
               f"{projection()}")

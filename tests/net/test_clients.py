@@ -129,7 +129,8 @@ def test_a_client_records_its_commits_but_never_serves_its_state(client):
     vars(averager).update(cfg=SwarmConfig(client_mode=client, linger_time=0.0), peer_name="home", _owner=b"o",
                           _dht_lock=threading.Lock(), dht=_DHT(), _server=SimpleNamespace(snapshot=None),
                           _committed="", _commit_lock=threading.Lock(), _offered=None, _pending_commit=None,
-                          _progress_due=threading.Event(), _stopping=threading.Event(), peers=lambda: [],
+                          _progress_due=threading.Event(), _stopping=threading.Event(), _storing=set(),
+                          peers=lambda: [],
                           publish_progress=lambda *a, **k: published.append(k["sha256"]))
     snapshot = SimpleNamespace(round=2, sha256="ab" * 32)
     averager.offer_state(snapshot)
