@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from swarm.averaging import RoundOutcome, SoloAverager
 from swarm.config import Config
 from swarm.configfile import load_config
 
@@ -58,3 +59,17 @@ def resumed_after(cfg: Config, out_dir: Path, stop_round: int):
     resumed = Trainer(cfg, SoloAverager(), "b", shard=0, out_dir=out_dir)
     resumed.train()
     return resumed
+
+
+class DiscardsOnce(SoloAverager):
+    """Discards the first exchange of `round` (0-based; with diloco.fragments F, the exchange index
+    round * F + fragment), as a group that lost a member would."""
+
+    def __init__(self, round: int):
+        self.round, self.discarded = round, False
+
+    def average(self, round, pseudo_grad, samples, out, base=""):
+        if round == self.round and not self.discarded:
+            self.discarded = True
+            return RoundOutcome(None, note="injected discard")
+        return super().average(round, pseudo_grad, samples, out, base)

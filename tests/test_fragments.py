@@ -5,14 +5,14 @@ import pytest
 import torch
 
 from peers.local_trainers import simulate
-from swarm.averaging import RoundOutcome, SoloAverager
+from swarm.averaging import SoloAverager
 from swarm.config import ConfigError
 from swarm.data import TrainBatches, load_corpus
 from swarm.fragments import partition, sync_steps
 from swarm.inner import lr_lambda
 from swarm.model import build_model
 from swarm.trainer import Trainer
-from tests.conftest import resumed_after, run_cli, tiny_config
+from tests.conftest import DiscardsOnce, resumed_after, run_cli, tiny_config
 
 # The tiny test model's 11 parameter tensors: embeddings (tied head) 8192 elements, q/k/v/o 1024 each, gate/up/down
 # 2048 each, three norms 32 each; 18528 in all. Two fragments: the cut nearest 9264 falls after q_proj (9216).
@@ -136,19 +136,6 @@ def test_fragments_one_is_todays_run(tmp_path, delay):
     assert [r.train_loss for r in runs[0].history.rounds] == [r.train_loss for r in runs[1].history.rounds]
 
 
-class DiscardsExchange(SoloAverager):
-    """Discards the first exchange keyed `index` (round * F + fragment), as a group that lost a member would."""
-
-    def __init__(self, index: int):
-        self.index, self.discarded = index, False
-
-    def average(self, round, pseudo_grad, samples, out, base=""):
-        if round == self.index and not self.discarded:
-            self.discarded = True
-            return RoundOutcome(None, note="injected discard")
-        return super().average(round, pseudo_grad, samples, out, base)
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("delay", [0, 1])
 def test_a_discarded_fragment_keeps_its_local_progress(tmp_path, delay):
@@ -156,7 +143,7 @@ def test_a_discarded_fragment_keeps_its_local_progress(tmp_path, delay):
     keeps its own progress, and the fragment's next exchange covers both rounds; the round still commits."""
     cfg = tiny_config(diloco={"rounds": 3, "inner_steps": 4, "delay": delay, "fragments": 2, "mix_alpha": 0.5},
                       checkpoint={"every": 0})
-    trainer = Trainer(cfg, DiscardsExchange(2), "a", shard=0, out_dir=tmp_path)
+    trainer = Trainer(cfg, DiscardsOnce(2), "a", shard=0, out_dir=tmp_path)
     trainer.train()
     assert [f.commits for f in trainer.fragments.all] == [2, 3]
     assert [(r.round, r.committed) for r in trainer.history.rounds] == [(1, True), (2, True), (3, True)]
@@ -172,7 +159,7 @@ def test_a_discarded_round_end_fragment_retries_the_round(tmp_path):
     """The last fragment's exchange closes the round: discarded, the round is trained again (its fragments'
     exchanges keyed by the same round), as in blocking DiLoCo."""
     cfg = tiny_config(diloco={"rounds": 3, "inner_steps": 4, "delay": 1, "fragments": 2}, checkpoint={"every": 0})
-    trainer = Trainer(cfg, DiscardsExchange(3), "a", shard=0, out_dir=tmp_path)
+    trainer = Trainer(cfg, DiscardsOnce(3), "a", shard=0, out_dir=tmp_path)
     trainer.train()
     assert trainer.diloco.round == 3 and trainer.step == 16
     assert [f.commits for f in trainer.fragments.all] == [4, 3]
@@ -220,7 +207,7 @@ def test_a_fragment_that_never_stepped_shares_a_zero_momentum(tmp_path):
     """Checkpoints and served states hold the outer momentum of every tensor or none: a fragment whose only
     exchange was discarded holds zeros, which the next outer step treats exactly as no momentum."""
     cfg = tiny_config(diloco={"rounds": 1, "inner_steps": 4, "fragments": 2}, checkpoint={"every": 0})
-    trainer = Trainer(cfg, DiscardsExchange(0), "a", shard=0, out_dir=tmp_path)
+    trainer = Trainer(cfg, DiscardsOnce(0), "a", shard=0, out_dir=tmp_path)
     trainer.train()
     assert [f.commits for f in trainer.fragments.all] == [0, 1]
     buffers = trainer.diloco.momentum_buffers()

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from peers.local_trainers import simulate
-from swarm.averaging import RoundOutcome, SoloAverager
+from swarm.averaging import SoloAverager
 from swarm.checkpoint import Checkpointer, CorruptCheckpoint
 from swarm.data import TrainBatches, load_corpus
 from swarm.inner import lr_lambda
 from swarm.model import build_model
 from swarm.trainer import Trainer
-from tests.conftest import resumed_after, run_cli, tiny_config
+from tests.conftest import DiscardsOnce, resumed_after, run_cli, tiny_config
 
 
 def reference_diloco(cfg, replicas: int) -> list[torch.Tensor]:
@@ -124,19 +124,6 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path):
     for (a, b), (c, d) in zip(ours, ref):
         assert abs(a - c) < 1e-6 and abs(b - d) < 1e-6
     assert second.diloco.global_sha256() == straight.diloco.global_sha256()
-
-
-class DiscardsOnce(SoloAverager):
-    """Discards the first exchange of `round` (0-based), as a group that lost a member would."""
-
-    def __init__(self, round: int):
-        self.round, self.discarded = round, False
-
-    def average(self, round, pseudo_grad, samples, out, base=""):
-        if round == self.round and not self.discarded:
-            self.discarded = True
-            return RoundOutcome(None, note="injected discard")
-        return super().average(round, pseudo_grad, samples, out, base)
 
 
 @pytest.mark.timeout(120)

@@ -62,7 +62,7 @@ class Records:
         inner steps, and a store waits for a DHT round trip: waiting for it there cost ~8% of the inner
         steps' time on 20 Mbit/s links (py-spy of bench/utilization.py's peers). `wait`: store it on this
         thread, returning once the DHT confirmed it (or after request_timeout), for announcements that
-        others must see before this peer goes on (ready for a round, taking a state, finished)."""
+        others must see before this peer goes on (taking a state, finished)."""
         self._stats = stats or self._stats
         self._last_progress = (round, inner_step, samples, samples_per_s, ready, sha256)
         if wait:
