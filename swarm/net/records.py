@@ -54,6 +54,7 @@ class Records:
     _offered: Optional[Snapshot]
     _pending_commit: Optional[Snapshot]
     _storing: set[concurrent.futures.Future]  # stores not answered yet, that the heartbeat did not wait for
+    _progress_stores = 0  # progress records sent so far
 
     def publish_progress(self, round: int, inner_step: int, samples: int, samples_per_s: float,
                          ready: bool = False, sha256: str = "", stats: Optional[PeerStats] = None,
@@ -78,22 +79,28 @@ class Records:
                 peer_id=self.peer_id, name=self.peer_name, round=round, inner_step=inner_step, samples=samples,
                 samples_per_s=float(samples_per_s), time=float(now), serves_state=self._server.snapshot is not None,
                 ready=ready, sha256=sha256, **schema.watched(**dataclasses.asdict(self._stats)))
-            self._published = record
+            self._published, self._progress_stores = record, self._progress_stores + 1
+            sent = self._progress_stores
             future = self.dht.store(schema.progress_key(self.cfg.run_id), self.hooks.progress(record.dict()),
                                     subkey=self._owner,
                                     expiration_time=now + self.cfg.progress_expiration, return_future=True)
-        self._confirm(future, f"progress record of round {round}", wait)
+        # Stores not waited for overlap: a DHT node keeps the record that expires last and refuses an older one
+        # that arrives after it, which is no loss once a later record of ours was sent.
+        self._confirm(future, f"progress record of round {round}", wait,
+                      superseded=lambda: self._progress_stores != sent)
 
     def _confirm(self, future: concurrent.futures.Future, what: str, wait: bool,
-                 then: Optional[Callable[[], None]] = None) -> None:
-        """Warn if the DHT did not take `what`, then run `then`: here, waiting at most request_timeout, with
-        `wait`; else when the DHT answers. The heartbeat never waits: while a round's all-reduce filled a
-        slow link a store took seconds, and a ready record queued behind it let a faster peer's group
-        close before the stragglers that it should have cut short arrived (a round split in two groups)."""
+                 then: Optional[Callable[[], None]] = None, superseded: Callable[[], bool] = lambda: False) -> None:
+        """Warn if the DHT did not take `what` (unless refused as `superseded` by a later store of ours), then
+        run `then`: here, waiting at most request_timeout, with `wait`; else when the DHT answers. The
+        heartbeat never waits: while a round's all-reduce filled a slow link a store took seconds, and a ready
+        record queued behind it let a faster peer's group close before the stragglers that it should have cut
+        short arrived (a round split in two groups)."""
         def confirmed(done: concurrent.futures.Future) -> None:
             self._storing.discard(done)
             if not done.cancelled() and not self._stopping.is_set():  # stopping: the DHT may be gone first
-                if done.exception() is not None or not done.result():
+                refused = done.exception() is None and not done.result()
+                if done.exception() is not None or (refused and not superseded()):
                     logger.warning(f"{what} was not stored: {done.exception() or 'no DHT peer accepted it'}")
             if then is not None:
                 then()
