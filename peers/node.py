@@ -14,6 +14,7 @@ and global-parameter hash it ended on.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -24,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from swarm.config import Config
+from swarm.config import Config, FaultsConfig
 from swarm.data import shard_index
 from swarm.errors import Stopped
 from swarm.fragments import check_supported
@@ -56,11 +57,11 @@ def _terminate_on_sigterm() -> None:
 
 
 def run_peer(cfg: Config, out_dir: Path, name: Optional[str]) -> Path:
-    check_supported(cfg.diloco.fragments, networked=True)
+    ranks = Ranks.from_env()
+    check_supported(cfg.diloco.fragments, ranks.world_size)
     _terminate_on_sigterm()
     if cfg.diloco.threads:
         torch.set_num_threads(cfg.diloco.threads)
-    ranks = Ranks.from_env()
     ranks.init(cfg)
     try:
         if ranks.endpoint:
@@ -81,6 +82,14 @@ def _peer_json(out_dir: Path, trainer: Trainer, name: str, ranks: Ranks) -> dict
     summary["name"] = name
     write_json(out_dir / "peer.json", summary)
     return summary
+
+
+def exchange_faults(cfg: Config) -> FaultsConfig:
+    """The faults the averager injects, which counts exchanges by the outer steps committed before them: with
+    diloco.fragments F, round R's closing exchange is the one after R * F - 1 outer steps."""
+    if cfg.faults.kill_phase != "allreduce" or cfg.faults.kill_round is None:
+        return cfg.faults
+    return dataclasses.replace(cfg.faults, kill_round=cfg.faults.kill_round * cfg.diloco.fragments)
 
 
 def write_rank(out_dir: Path, ranks: Ranks, trainer: Trainer) -> None:
@@ -117,7 +126,7 @@ def _run_endpoint(cfg: Config, out_dir: Path, name: Optional[str], ranks: Ranks)
             log.info("started a new swarm for run %r; others join with: --initial-peers %s",
                      cfg.swarm.run_id, " ".join(maddrs))
         print("\n".join(maddrs), flush=True)
-        averager = SwarmAverager(cfg.swarm, dht, identity, fingerprint, name, cfg.faults)
+        averager = SwarmAverager(cfg.swarm, dht, identity, fingerprint, name, exchange_faults(cfg))
         ranks.share((name, peer_id))
         shard = shard_index(cfg.data, cfg.swarm.run_id, name)
 
@@ -141,7 +150,7 @@ def _run_endpoint(cfg: Config, out_dir: Path, name: Optional[str], ranks: Ranks)
             ranks.drain()
             status.update(force=True, name=name, peer_id=peer_id, state="serving", round=trainer.diloco.round,
                           step=0, loss=None)
-            averager.finish(trainer.diloco.round)
+            averager.finish(trainer.diloco.outer_steps)  # the swarm's records count outer steps
             status.update(force=True, name=name, peer_id=peer_id, state="done", round=trainer.diloco.round, step=0,
                           loss=None)
         finally:  # finished, stopped or failed: say where this peer got to

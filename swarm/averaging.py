@@ -81,11 +81,12 @@ class Snapshot:
 @dataclass
 class Intake:
     """How a trainer takes a downloaded state in: `destinations(specs)` gives the tensors to write each named
-    tensor into (ValueError if the state does not fit), `accept(meta)` applies the scalars once every byte
-    arrived and the global-parameter hash matched."""
+    tensor into (ValueError if the state does not fit), `accept(meta, round)` applies the scalars once every byte
+    arrived and the global-parameter hash matched the one the swarm committed at `round` (the donor's count of
+    outer steps, as its commit records and the state's header say: not read from `meta`)."""
 
     destinations: Callable[[list[TensorSpec]], dict[str, torch.Tensor]]
-    accept: Callable[[dict[str, Any]], None]
+    accept: Callable[[dict[str, Any], int], None]
 
 
 class Averager(ABC):

@@ -162,10 +162,6 @@ def run(argv: list[str]) -> int:
 
     if args.command == "local":
         check(cfg, args.nproc_per_node)
-    if args.command == "local" or (args.command == "peer" and not args.solo):
-        from swarm.fragments import check_supported
-
-        check_supported(cfg.diloco.fragments, networked=True)
 
     if args.command == "peer" and args.solo:
         from peers.local_trainers import run_solo

@@ -195,7 +195,9 @@ class LoggingConfig:
 class FaultsConfig:
     """Fault injection for tests and demos (`swarm local --kill/--join`), applied by the peer to itself."""
 
-    kill_round: Optional[int] = None  # die while working towards this round (1-based outer step)
+    # die while working towards this round (1-based; in the all-reduce: of its closing exchange, see
+    # peers/node.py exchange_faults)
+    kill_round: Optional[int] = None
     kill_phase: Literal["inner", "allreduce"] = "inner"  # mid inner steps, or inside the all-reduce
     step_delay: float = 0.0  # extra seconds per inner step: a slow peer (straggler)
     nan_round: Optional[int] = None  # this peer's local model turns NaN halfway through this round (1-based)

@@ -67,7 +67,10 @@ class DiLoCo:
             self.global_params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0,
             foreach=False,
         )
-        self.round = 0  # outer steps committed so far
+        self.round = 0  # rounds committed so far
+        # Outer steps committed so far, on any fragment (swarm/fragments.py): where this peer stands in the swarm's
+        # records. With one fragment every outer step closes a round, so it equals `round`.
+        self.outer_steps = 0
         self.version = 0
         self._sha256: Optional[str] = None  # hash of global_params; reset whenever they change
 
@@ -99,6 +102,7 @@ class DiLoCo:
             for g in targets:
                 g.grad = None
             self.round += closes_round
+            self.outer_steps += 1
         if keep_local:
             return
         for i in indices:

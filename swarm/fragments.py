@@ -28,24 +28,30 @@ moves the local model (its drift goes into the fragment's next pseudo-gradient).
 the single exchange per round of swarm/trainer.py.
 
 Transactions and hashes: an exchange commits the same bytes on every member of its group or is discarded; a
-discarded fragment keeps its local progress, and its next exchange (next round) covers both. The averager keys
-an exchange by `round * F + f` (passed as `Averager.average`'s `round`; F = 1: the round itself), so no two
-exchanges of one run share a key unless a discarded round is retried, as in blocking DiLoCo. A round closes with
-its last fragment: that exchange counts the round (`DiLoCo.round`) and only then is the global hash recorded,
-checkpointed and served; the mid-round fragments of the next round start only after it landed, so every peer on
-one round boundary holds one hash. A checkpoint holds the global parameters only: a resumed peer restarts its
-local model from them (as with `diloco.delay`), dropping the local progress of fragments since their last
-exchange.
+discarded fragment keeps its local progress, and its next exchange (next round) covers both. Every committed
+exchange is an outer step (`DiLoCo.outer_steps`, which counts them on any fragment; `DiLoCo.round` counts those
+that closed a round), and a peer's place in the swarm is its count of outer steps: the averager keys an exchange
+by it (`Averager.average`'s `round`), and over a network the progress records, commit records, state offers and
+downloads speak of it wherever they say "round" (swarm/net). With F = 1 it is the round itself. So after every
+committed exchange, mid-round ones too, the peer records the global hash it committed and serves its state, and
+peers at one count of outer steps hold one hash, or the minority takes the majority's state, as whole rounds do.
+A peer that learns from a mid-round exchange that it is behind takes the swarm's state at once, with the inner
+step of the round the donor was at when it committed (the state's `inner`), and goes on from there: its next
+exchange meets the others'. A round closes with its last fragment, and only then is a checkpoint written; it
+holds the global parameters only, so a resumed peer restarts its local model from them at the round's first
+inner step (as with `diloco.delay`), dropping the local progress of fragments since their last exchange.
 
-Limits: fragments > 1 run in one-process peers without a network (`swarm peer --solo`, `swarm sim`); networked
-peers (`swarm peer`, `swarm local`) and --nproc-per-node > 1 refuse them with exit 2 (`check_supported`): the
-swarm's position records, commit votes and state downloads still speak of whole rounds.
+Limits: --nproc-per-node > 1 refuses fragments > 1 with exit 2 (`check_supported`): a multi-process peer hands
+its ranks the averager's answers at round boundaries only. A peer that arrives late at an exchange is not waited
+for beyond the matchmaking time (there is no `others_ready` cut-short between fragments): it meets the group at
+a later exchange after taking the state.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -83,12 +89,20 @@ def sync_steps(inner_steps: int, fragments: int) -> list[int]:
     return [(f + 1) * inner_steps // fragments for f in range(fragments)]
 
 
-def check_supported(fragments: int, networked: bool, nproc: int = 1) -> None:
+def check_supported(fragments: int, nproc: int = 1) -> None:
     """UsageError (exit 2) for what fragments do not run with yet (module docstring, Limits)."""
-    if fragments > 1 and networked:
-        raise UsageError(f"diloco.fragments {fragments} runs without a network only (swarm peer --solo, swarm sim)")
     if fragments > 1 and nproc > 1:
         raise UsageError(f"diloco.fragments {fragments} runs in one-process peers only (--nproc-per-node 1)")
+
+
+@dataclass
+class TrainerHooks:
+    """What the fragments ask of the trainer they run in."""
+
+    before_change: Callable[[], None]  # the global parameters change next: settle a checkpoint still reading them
+    note: Callable[[dict], None]  # a history event
+    catch_up: Callable[[Optional[list[str]]], object]  # take the swarm's state (from these donors if given)
+    committed: Callable[[], None]  # a mid-round exchange committed: record and serve the state it made
 
 
 class Fragment:
@@ -103,8 +117,8 @@ class Fragment:
 
     @property
     def round(self) -> int:
-        """The exchange index the averager keys this exchange by: round * F + fragment."""
-        return self.diloco.round * self.count + self.index
+        """What the averager keys this exchange by: the outer steps committed so far (module docstring)."""
+        return self.diloco.outer_steps
 
     @property
     def mix_alpha(self) -> float:
@@ -139,14 +153,13 @@ class Fragments:
     """One peer's fragments and their schedule. The last fragment's exchange is the round's own (the trainer
     closes the round with it, `boundary`); the others start and land between the round's inner steps here."""
 
-    def __init__(self, diloco: DiLoCo, cfg: DilocoConfig, averager: Averager,
-                 before_change: Callable[[], None], note: Callable[[dict], None]):
+    def __init__(self, diloco: DiLoCo, cfg: DilocoConfig, averager: Averager, trainer: TrainerHooks):
         groups = partition([p.numel() for p in diloco.params], cfg.fragments)
         self.all = [Fragment(diloco, f, cfg.fragments, g) for f, g in enumerate(groups)]
         self.boundary = self.all[-1]
         self.starts = sync_steps(cfg.inner_steps, cfg.fragments)
         self.delay, self.averager = cfg.delay, averager
-        self.before_change, self.note = before_change, note  # settle a checkpoint being written; history events
+        self.trainer = trainer
         self.samples = [0] * len(self.all)  # per mid-round fragment: samples its next pseudo-gradient covers
         self.pending: Optional[tuple[Fragment, Exchange, int]] = None  # in flight, lands after inner step [2]
         self.totals = dict.fromkeys(_TOTALS, 0.0)  # of the mid-round exchanges since the last round closed
@@ -161,17 +174,21 @@ class Fragments:
         return len(self.all) > 1
 
     def restart(self) -> None:
-        """The local model was reset to the global parameters (resumed or downloaded): no local progress."""
+        """The local model was reset to the global parameters (resumed or downloaded): no local progress, and no
+        exchange in flight (a state is taken only once the exchange that found us behind has returned)."""
         self.samples = [0] * len(self.all)
+        self.pending = None
 
     def after_inner_step(self, done: int, samples: int) -> float:
         """`done` inner steps of this round were taken, the last on `samples` samples: land the mid-round
-        exchange due now, start the one due now. Returns the seconds this took (the inner steps stood still)."""
+        exchange due now, start the one due now. Returns the seconds this took (the inner steps stood still).
+        An exchange that finds this peer behind takes the swarm's state: the trainer's inner step moves."""
         start = time.perf_counter()
         self.samples = [s + samples for s in self.samples]
         if self.pending is not None and done == self.pending[2]:
-            self._settle(*self.pending[:2])
-            self.pending = None
+            pending, self.pending = self.pending, None
+            if not self._settle(*pending[:2]):
+                return time.perf_counter() - start
         for fragment in self.all[:-1]:
             if done != self.starts[fragment.index]:
                 continue
@@ -184,23 +201,26 @@ class Fragments:
                                             fragment.global_sha256())
             self._count(outcome)
             if outcome.averaged is not None:
-                self.before_change()
+                self.trainer.before_change()
                 fragment.outer_step(outcome.averaged)
                 self.samples[f] = 0
-            else:
-                self._discarded(fragment, outcome.note)
+                self.trainer.committed()
+            elif not self._discarded(fragment, outcome):
+                break
         return time.perf_counter() - start
 
-    def _settle(self, fragment: Fragment, exchange: Exchange) -> None:
+    def _settle(self, fragment: Fragment, exchange: Exchange) -> bool:
+        """Land or drop the exchange in flight; False if it found this peer behind (the state was taken)."""
         outcome, wait_s = exchange.result()
         self._count(outcome, wait_s)
         if outcome.averaged is not None:
-            self.before_change()
+            self.trainer.before_change()
             exchange.land(fragment, outcome.averaged)
             self.samples[fragment.index] -= exchange.samples  # what the inner steps since its start add stays
-        else:
-            exchange.drop(fragment)
-            self._discarded(fragment, outcome.note)
+            self.trainer.committed()
+            return True
+        exchange.drop(fragment)
+        return self._discarded(fragment, outcome)
 
     def _count(self, outcome: RoundOutcome, wait_s: float = 0.0) -> None:
         for key, value in [("comm_s", outcome.comm_s), ("allreduce_s", outcome.allreduce_s), ("wait_s", wait_s),
@@ -213,8 +233,15 @@ class Fragments:
             setattr(record, key, type(getattr(record, key))(getattr(record, key) + value))
         self.totals = dict.fromkeys(_TOTALS, 0.0)
 
-    def _discarded(self, fragment: Fragment, why: str) -> None:
+    def _discarded(self, fragment: Fragment, outcome: RoundOutcome) -> bool:
+        """A mid-round exchange that did not commit: behind the swarm, take its state (False); else keep the
+        fragment's local progress for its next exchange (True)."""
+        if outcome.behind:
+            log.warning("round %d: fragment %d: %s", fragment.diloco.round + 1, fragment.index, outcome.note)
+            self.trainer.catch_up(outcome.donors or None)
+            return False
         log.warning("round %d: fragment %d's exchange discarded (%s): keeping its local progress for the next one",
-                    fragment.diloco.round + 1, fragment.index, why)
-        self.note({"event": "fragment_discarded", "time": time.time(), "round": fragment.diloco.round,
-                   "fragment": fragment.index, "note": why})
+                    fragment.diloco.round + 1, fragment.index, outcome.note)
+        self.trainer.note({"event": "fragment_discarded", "time": time.time(), "round": fragment.diloco.round,
+                   "fragment": fragment.index, "note": outcome.note})
+        return True

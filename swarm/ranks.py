@@ -147,7 +147,7 @@ def check(cfg: Config, nproc: int) -> None:
     if nproc > 1 and cfg.diloco.delay:
         # a background exchange would run collectives on the ranks' process group beside the inner steps' own
         raise UsageError(f"diloco.delay {cfg.diloco.delay} runs in one-process peers only (--nproc-per-node 1)")
-    check_supported(cfg.diloco.fragments, networked=False, nproc=nproc)
+    check_supported(cfg.diloco.fragments, nproc)
     if torch.device(cfg.diloco.device).type == "cuda":
         available = torch.cuda.device_count()
         if nproc > available:

@@ -27,7 +27,7 @@ from swarm.config import Config
 from swarm.data import TrainBatches, load_corpus
 from swarm.diloco import DiLoCo
 from swarm.errors import SwarmError
-from swarm.fragments import Fragments
+from swarm.fragments import Fragments, TrainerHooks
 from swarm.history import PeerHistory, RoundRecord, dump_round, round_inputs
 from swarm.inner import autocast, build_optimizer, evaluate, forward_backward, lr_lambda
 from swarm.model import build_model, count_parameters
@@ -51,14 +51,16 @@ class Trainer(TrainerState):
         self.model = build_model(cfg.model, corpus.tokenizer.vocab_size).to(self.device)
         self.diloco = DiLoCo(self.model, cfg.outer, cfg.diloco.global_device, cfg.diloco.mix_alpha)
         # diloco.fragments: the round's own exchange is the last fragment's (all tensors with 1 fragment)
-        self.fragments = Fragments(self.diloco, cfg.diloco, averager, self._settle_checkpoint,
-                                   lambda event: self.history.events.append(event))
+        self.fragments = Fragments(self.diloco, cfg.diloco, averager, TrainerHooks(
+            self._settle_checkpoint, lambda event: self.history.events.append(event), self.catch_up,
+            lambda: self.averager.offer_state(self.snapshot())))
         self.precision = autocast(cfg.inner.precision, self.device)
         self.optimizer = build_optimizer(self.model, cfg)
         self.train_model = ranks.wrap(self.model)  # DDP over the peer's ranks, or the model itself
         total = cfg.diloco.rounds * cfg.diloco.inner_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.inner, total))
         self.step = 0  # inner steps done by this peer: the schedule position and the data position
+        self.inner = 0  # inner steps done in the current round
         self.samples_since_commit = 0
         # swarm.error_feedback: what quantization dropped from this peer's last committed contribution, added
         # to its next pseudo-gradient. Per peer: in its checkpoint, never in the state served to newcomers.
@@ -71,9 +73,11 @@ class Trainer(TrainerState):
                  peer_id, count_parameters(self.model), shard, cfg.diloco.rounds, cfg.diloco.inner_steps)
 
     # ---- state: the named tensors of swarm/state.py, in checkpoints and for newcomers ------------------
-    def _set_position(self, round: int, step: int) -> None:
-        """Round and inner step; the learning-rate schedule follows the step. The local model restarts."""
-        self.diloco.round, self.step = round, step
+    def _set_position(self, round: int, step: int, outer_steps: Optional[int] = None, inner: int = 0) -> None:
+        """Round, inner step, outer steps committed (default: one per round) and inner steps done in the round;
+        the learning-rate schedule follows the step. The local model restarts."""
+        self.diloco.round, self.step, self.inner = round, step, inner
+        self.diloco.outer_steps = round if outer_steps is None else outer_steps
         self.fragments.restart()
         self.scheduler.last_epoch, self.scheduler._step_count = step, step + 1
         lrs = [base * fn(step) for base, fn in zip(self.scheduler.base_lrs, self.scheduler.lr_lambdas)]
@@ -94,6 +98,7 @@ class Trainer(TrainerState):
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self.inner += 1
         self.samples_since_commit += batch.shape[0]
         return loss.item()
 
@@ -130,23 +135,24 @@ class Trainer(TrainerState):
                 if self.checkpointer is not None:
                     self.checkpointer.wait_begun()  # it may still write the last round's AdamW moments: overhead
                 inner_start, paused = time.perf_counter(), 0.0  # paused: closing the last round meanwhile
-                for i in range(cfg.inner_steps):
-                    self._inject_faults(i)
+                while self.inner < cfg.inner_steps and self.diloco.round < cfg.rounds:
+                    self._inject_faults(self.inner)
                     losses.append(self.inner_step())
                     if progress is not None:
-                        progress(self.diloco.round, i + 1, losses[-1])
+                        progress(self.diloco.round, self.inner, losses[-1])
                     if time.perf_counter() - last_report >= self.cfg.swarm.progress_interval:
                         last_report = time.perf_counter()
                         self._publish_progress(inner_start, losses, ready=exchange is not None)
-                    if exchange is not None and i + 1 == cfg.delay:  # the last round's outer step lands here
+                    if exchange is not None and self.inner == cfg.delay:  # the last round's outer step lands here
                         paused += self._settle(exchange)
                         exchange = None
-                    paused += self.fragments.after_inner_step(i + 1, self.cfg.data.batch_size)  # diloco.fragments
-                    if i + 1 < cfg.inner_steps and exchange is None and not self.fragments.streaming \
-                            and self.averager.others_ready(self.diloco.round):
+                    # diloco.fragments: a mid-round exchange that finds us behind moves self.inner (the swarm's state)
+                    paused += self.fragments.after_inner_step(self.inner, self.cfg.data.batch_size)
+                    if self.inner < cfg.inner_steps and exchange is None and not self.fragments.streaming \
+                            and self.averager.others_ready(self.diloco.outer_steps):
                         log.info("round %d: peers wait to average; contributing %d of %d inner steps",
-                                 self.diloco.round + 1, i + 1, cfg.inner_steps)
-                        self._inject_faults(i + 1, stopping_early=True)
+                                 self.diloco.round + 1, self.inner, cfg.inner_steps)
+                        self._inject_faults(self.inner, stopping_early=True)
                         break
                 compute_s = time.perf_counter() - inner_start - paused
                 if exchange is not None:  # a round cut short before `delay` inner steps
@@ -154,6 +160,7 @@ class Trainer(TrainerState):
                     exchange = None
                 if self.diloco.round >= cfg.rounds:  # a state taken meanwhile ended the run
                     break
+                self.inner = 0  # the next round's, unless a state taken at the round's close says otherwise
                 boundary = self.fragments.boundary
                 pseudo_grad = boundary.pseudo_gradient(self.error_feedback)
                 if not (all(map(math.isfinite, losses)) and self.diloco.pseudo_gradient().is_finite()):
@@ -178,7 +185,8 @@ class Trainer(TrainerState):
                                                 boundary.global_sha256())
                 self._after_round(self._close_round(outcome, checkpoint, **facts), dump)
             if self.history.rounds:  # the last round's eval, for watchers
-                self.averager.publish_progress(self.diloco.round, self.step, 0, 0.0, sha256=self.diloco.global_sha256(),
+                self.averager.publish_progress(self.diloco.outer_steps, self.step, 0, 0.0,
+                                               sha256=self.diloco.global_sha256(),
                                                stats=self._stats(self.history.rounds[-1].train_loss, 0.0))
         finally:  # however training stops, a committed checkpoint is finished and a begun one dropped
             if self.checkpointer is not None:
@@ -210,7 +218,7 @@ class Trainer(TrainerState):
         """The local model went NaN/Inf: stop announcing readiness, take the swarm's state or stop (SwarmError)."""
         log.warning("round %d: the local model is not finite (last loss %s): taking the swarm's state",
                     self.diloco.round + 1, losses[-1] if losses else "-")
-        self.averager.publish_progress(self.diloco.round, self.step, 0, 0.0, ready=False,
+        self.averager.publish_progress(self.diloco.outer_steps, self.step, 0, 0.0, ready=False,
                                        sha256=self.diloco.global_sha256())
         self.history.events.append({"event": "non_finite_model", "time": time.time(), "round": self.diloco.round})
         try:
@@ -221,8 +229,8 @@ class Trainer(TrainerState):
 
     def _publish_progress(self, start: float, losses: list[float], ready: bool = False) -> None:
         samples_per_s = len(losses) * self.cfg.data.batch_size / max(1e-9, time.perf_counter() - start)
-        self.averager.publish_progress(self.diloco.round, self.step, self.samples_since_commit, samples_per_s, ready,
-                                       self.diloco.global_sha256(), self._stats(losses[-1], samples_per_s))
+        self.averager.publish_progress(self.diloco.outer_steps, self.step, self.samples_since_commit, samples_per_s,
+                                       ready, self.diloco.global_sha256(), self._stats(losses[-1], samples_per_s))
 
     def _stats(self, loss: Optional[float], samples_per_s: float) -> PeerStats:
         """What watchers see (`swarm monitor`): the last loss and speed, all-reduce bytes so far, the last eval."""
@@ -238,7 +246,7 @@ class Trainer(TrainerState):
             return
         log.warning("fault injection: holding before round %d while %s exists", round, faults.hold_file)
         if round > 0:
-            self.averager.publish_progress(self.diloco.round, self.step, self.samples_since_commit, 0.0,
+            self.averager.publish_progress(self.diloco.outer_steps, self.step, self.samples_since_commit, 0.0,
                                            sha256=self.diloco.global_sha256())
         while os.path.exists(faults.hold_file):
             time.sleep(0.2)

@@ -47,16 +47,22 @@ class TrainerState:
         """What this peer now holds, to serve; also recorded as where it stands (summary.json)."""
         sha = self.diloco.global_sha256()
         self.history.final_round, self.history.final_global_sha256 = self.diloco.round, sha
-        return Snapshot(self.diloco.round, sha, {"round": self.diloco.round, "step": self.step},
-                        peer_state.shared_tensors(self.diloco, self.optimizer), self.diloco.version,
-                        lambda: self.diloco.version)
+        # With fragments a state is taken mid-round too: its taker goes on from the same inner step of the round
+        # (swarm/fragments.py); with one fragment a taker starts the round, and cuts it short to meet the others.
+        inner = self.inner % self.cfg.diloco.inner_steps if self.fragments.streaming else 0
+        meta = {"round": self.diloco.round, "step": self.step, "inner": inner}
+        return Snapshot(self.diloco.outer_steps, sha, meta, peer_state.shared_tensors(self.diloco, self.optimizer),
+                        self.diloco.version, lambda: self.diloco.version)
 
     def intake(self) -> Intake:
-        def accept(meta: dict[str, Any]) -> None:
-            round, step = meta.get("round"), meta.get("step")
-            if not (isinstance(round, int) and isinstance(step, int) and round >= 0 and step >= 0):
-                raise ValueError(f"state position round={round!r} step={step!r} is not a pair of counts")
-            self._set_position(round, step)
+        def accept(meta: dict[str, Any], outer_steps: int) -> None:
+            position = [meta.get("round"), meta.get("step"), meta.get("inner", 0)]  # older peers send no inner
+            round, step, inner = position
+            if not (all(type(v) is int and v >= 0 for v in position) and round <= outer_steps
+                    and inner < self.cfg.diloco.inner_steps):
+                raise ValueError(f"state position round={round!r} step={step!r} inner={inner!r} at "
+                                 f"{outer_steps} outer steps is not a position of this run")
+            self._set_position(round, step, outer_steps, inner)
             self.samples_since_commit = 0
             self.error_feedback = None  # it belonged to the local progress we just dropped
             self.diloco.sync_local()
@@ -73,8 +79,8 @@ class TrainerState:
         # With diloco.delay or fragments the local model runs ahead of the committed state; a checkpoint holds
         # the committed state only, so a resumed peer restarts its local model from it and counts no samples yet.
         samples = 0 if self.cfg.diloco.delay or self.fragments.streaming else self.samples_since_commit
-        meta = {"round": self.diloco.round, "step": self.step, "samples_since_commit": samples,
-                "history": history_to_dict(self.history)}
+        meta = {"round": self.diloco.round, "step": self.step, "outer_steps": self.diloco.outer_steps,
+                "samples_since_commit": samples, "history": history_to_dict(self.history)}
         return inner, rest, meta
 
     def save_checkpoint(self) -> None:
@@ -101,7 +107,7 @@ class TrainerState:
 
         with self.diloco.changing():
             meta = self.checkpointer.load(destinations)
-        self._set_position(meta["round"], meta["step"])
+        self._set_position(meta["round"], meta["step"], meta.get("outer_steps"))  # written before fragments: rounds
         self.samples_since_commit = meta["samples_since_commit"]
         self.diloco.sync_local()
         self.history = history_from_dict(meta["history"])
@@ -116,7 +122,7 @@ class TrainerState:
         before, sha = self.diloco.round, self.diloco.global_sha256()
         self._settle_checkpoint()
         with self.diloco.changing():
-            got = self.averager.fetch_state(self.intake(), before, sha, donors, must)
+            got = self.averager.fetch_state(self.intake(), self.diloco.outer_steps, sha, donors, must)
             self._share_state()
         if got is not None:
             log.info("caught up from round %d to round %d from a peer's state", before, self.diloco.round)

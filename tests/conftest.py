@@ -62,8 +62,8 @@ def resumed_after(cfg: Config, out_dir: Path, stop_round: int):
 
 
 class DiscardsOnce(SoloAverager):
-    """Discards the first exchange of `round` (0-based; with diloco.fragments F, the exchange index
-    round * F + fragment), as a group that lost a member would."""
+    """Discards the first exchange keyed `round` (the outer steps committed before it: with diloco.fragments,
+    one per committed fragment exchange), as a group that lost a member would."""
 
     def __init__(self, round: int):
         self.round, self.discarded = round, False

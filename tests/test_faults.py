@@ -51,14 +51,17 @@ def read_status(child) -> dict:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("delay", [0, 4])
-def test_local_swarm_kill_inside_allreduce_and_join(tmp_path, delay):
-    """The issue's demo, shrunk: `swarm local --kill 1@2:allreduce --join 2`, blocking and with the exchange
-    behind the next round's first 4 inner steps (diloco.delay)."""
+@pytest.mark.parametrize("delay, fragments", [(0, 1), (4, 2)])
+def test_local_swarm_kill_inside_allreduce_and_join(tmp_path, delay, fragments):
+    """The issue's demo, shrunk: `swarm local --kill 1@2:allreduce --join 2`, blocking, and with overlap on: two
+    fragments exchanged in turn, each behind the next 4 inner steps (diloco.delay; the round's closing exchange
+    runs behind the next round's, as with one fragment). The kill falls inside round 2's closing exchange; the
+    joiner may take a mid-round state."""
     result = subprocess.run(
         [sys.executable, "-m", "swarm.cli", "local", "--config", "configs/tiny.yaml", "--peers", "3",
          "--rounds", "4", "--kill", "1@2:allreduce", "--join", "2", "--out", str(tmp_path), *SMALL,
-         "--diloco.inner_steps", "10", "--faults.step_delay", "0.2", "--diloco.delay", str(delay)],
+         "--diloco.inner_steps", "10", "--faults.step_delay", "0.2", "--diloco.delay", str(delay),
+         "--diloco.fragments", str(fragments)],
         cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -5,12 +5,13 @@ import pytest
 import torch
 
 from peers.local_trainers import simulate
-from swarm.averaging import SoloAverager
+from swarm.averaging import Download, RoundOutcome, SoloAverager
 from swarm.config import ConfigError
 from swarm.data import TrainBatches, load_corpus
 from swarm.fragments import partition, sync_steps
 from swarm.inner import lr_lambda
 from swarm.model import build_model
+from swarm.state import TensorSpec
 from swarm.trainer import Trainer
 from tests.conftest import DiscardsOnce, resumed_after, run_cli, tiny_config
 
@@ -139,7 +140,7 @@ def test_fragments_one_is_todays_run(tmp_path, delay):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("delay", [0, 1])
 def test_a_discarded_fragment_keeps_its_local_progress(tmp_path, delay):
-    """Round 2's exchange of fragment 0 (index 1 * 2 + 0) is discarded: its global tensors stay, the local model
+    """Round 2's exchange of fragment 0 (after 2 outer steps) is discarded: its global tensors stay, the local model
     keeps its own progress, and the fragment's next exchange covers both rounds; the round still commits."""
     cfg = tiny_config(diloco={"rounds": 3, "inner_steps": 4, "delay": delay, "fragments": 2, "mix_alpha": 0.5},
                       checkpoint={"every": 0})
@@ -156,8 +157,8 @@ def test_a_discarded_fragment_keeps_its_local_progress(tmp_path, delay):
 
 @pytest.mark.timeout(120)
 def test_a_discarded_round_end_fragment_retries_the_round(tmp_path):
-    """The last fragment's exchange closes the round: discarded, the round is trained again (its fragments'
-    exchanges keyed by the same round), as in blocking DiLoCo."""
+    """The last fragment's exchange closes the round (after 3 outer steps): discarded, the round is trained again,
+    as in blocking DiLoCo."""
     cfg = tiny_config(diloco={"rounds": 3, "inner_steps": 4, "delay": 1, "fragments": 2}, checkpoint={"every": 0})
     trainer = Trainer(cfg, DiscardsOnce(3), "a", shard=0, out_dir=tmp_path)
     trainer.train()
@@ -179,12 +180,12 @@ def test_more_fragments_than_tensors_exits_2_naming_the_key(tmp_path):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("args", [["local", "--peers", "2"], ["peer"], ["peer", "--solo", "--nproc-per-node", "2"]])
-def test_fragments_with_a_network_or_ranks_exit_2(tmp_path, args):
-    result = run_cli(*args[:1], "--config", "configs/tiny.yaml", *args[1:], "--out", str(tmp_path),
-                     "--diloco.fragments", "2")
+@pytest.mark.parametrize("args", [["local", "--peers", "2"], ["peer", "--solo"]])
+def test_fragments_with_ranks_exit_2(tmp_path, args):
+    result = run_cli(*args[:1], "--config", "configs/tiny.yaml", *args[1:], "--nproc-per-node", "2", "--out",
+                     str(tmp_path), "--diloco.fragments", "2")
     assert result.returncode == 2, result.stderr[-2000:]
-    assert "diloco.fragments 2 runs" in result.stderr
+    assert "diloco.fragments 2 runs in one-process peers only" in result.stderr
 
 
 @pytest.mark.timeout(120)
@@ -212,3 +213,65 @@ def test_a_fragment_that_never_stepped_shares_a_zero_momentum(tmp_path):
     assert [f.commits for f in trainer.fragments.all] == [0, 1]
     buffers = trainer.diloco.momentum_buffers()
     assert [bool(b.any()) for b in buffers] == [False] * 2 + [True] * 9
+
+
+class Offers(SoloAverager):
+    """Keeps a copy of every state the trainer offers: (outer steps, meta, tensors)."""
+
+    def __init__(self):
+        self.offered = []
+
+    def offer_state(self, snapshot):
+        self.offered.append((snapshot.round, dict(snapshot.meta),
+                             {k: t.detach().clone() for k, t in snapshot.tensors.items()}))
+
+
+class BehindMidRound(Offers):
+    """Finds the trainer behind at its exchange keyed `behind_at` and hands it `state` (an `Offers` entry), as a
+    swarm's donor would; alone otherwise."""
+
+    networked = True
+
+    def __init__(self, behind_at: int, state: tuple):
+        super().__init__()
+        self.behind_at, self.state, self.taken = behind_at, state, False
+
+    def average(self, round, pseudo_grad, samples, out, base=""):
+        if round == self.behind_at and not self.taken:
+            return RoundOutcome(None, behind=True, note="behind (injected)")
+        return super().average(round, pseudo_grad, samples, out, base)
+
+    def fetch_state(self, intake, round, sha256, donors=None, must=False):
+        if round != self.behind_at or self.taken:
+            return None
+        outer_steps, meta, tensors = self.state
+        for name, target in intake.destinations([TensorSpec.of(k, t) for k, t in tensors.items()]).items():
+            target.copy_(tensors[name])
+        intake.accept(meta, outer_steps)
+        self.taken = True
+        return Download(outer_steps, "donor", 0, 0.0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("delay", [0, 1])
+def test_a_peer_behind_at_a_mid_round_exchange_goes_on_from_the_donors_inner_step(tmp_path, delay):
+    """Every committed exchange is an outer step, mid-round ones too: the peer offers its state after each, with
+    the inner step of the round it is at. A peer that a mid-round exchange finds behind takes that state and
+    goes on from the same inner step, so its next exchanges are the donor's."""
+    cfg = tiny_config(diloco={"rounds": 3, "inner_steps": 4, "delay": delay, "fragments": 2}, checkpoint={"every": 0})
+    donor = Trainer(cfg, Offers(), "donor", shard=0, out_dir=tmp_path / "donor")
+    donor.train()
+    # (outer steps, round, inner step): at the start; fragment 0 lands after inner step 2 + delay; a round's
+    # closing exchange after inner step 4 (blocking) or `delay` steps into the next round, the last one at its end
+    positions = [(0, 0, 0), (1, 0, 2 + delay), (2, 1, delay), (3, 1, 2 + delay), (4, 2, delay), (5, 2, 2 + delay),
+                 (6, 3, 0)]
+    assert [(o, m["round"], m["inner"]) for o, m, _ in donor.averager.offered] == positions
+    taker = Trainer(cfg, BehindMidRound(2, donor.averager.offered[3]), "taker", shard=1, out_dir=tmp_path / "taker")
+    taker.train()
+    assert taker.averager.taken  # behind at round 2's fragment 0 exchange (after 2 outer steps)
+    offered = taker.averager.offered
+    assert [(o, m["round"], m["inner"]) for o, m, _ in offered] == positions  # the 4th: the donor's, taken
+    assert offered[2][2]["global.0"].ne(donor.averager.offered[2][2]["global.0"]).any()  # its own round 1
+    assert all(torch.equal(t, donor.averager.offered[3][2][k]) for k, t in offered[3][2].items())
+    assert taker.step == donor.step == 12  # the donor's step (6 + delay) and the 2 - delay + 4 inner steps after
+    assert [e["to_round"] for e in taker.history.events if e["event"] == "state_downloaded"] == [1]

@@ -173,7 +173,7 @@ async def download(p2p: P2P, peer: PeerID, name: str, stall: float, min_bandwidt
             raise StateForged(f"its global parameters hash to {digest.hexdigest()[:12]}, not the announced "
                                f"{sha[:12]}")
         try:
-            intake.accept(meta)
+            intake.accept(meta, round)
         except ValueError as e:
             raise StateRefused(str(e)) from None
         return Download(round, str(peer), channel.traffic.received, time.monotonic() - start)

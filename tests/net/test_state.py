@@ -48,7 +48,7 @@ class Peer:
                         lambda: self.diloco.version)
 
     def intake(self) -> Intake:
-        def accept(meta):
+        def accept(meta, round):
             self.diloco.round, self.step = meta["round"], meta["step"]
             self.diloco.sync_local()
         return Intake(lambda specs: destinations(self.diloco, self.opt, specs), accept)
