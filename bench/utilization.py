@@ -23,10 +23,12 @@ from typing import Optional
 from bench.common import md_table, stamp, tiny_config
 from bench.swarmrun import netns_available, run_swarm, utilization
 
-# (H, compression, diloco.delay): with a delay the exchange runs behind the next round's first `delay` inner steps
+# (H, compression, diloco.delay, diloco.fragments): with a delay the exchange runs behind the next `delay` inner
+# steps; with F fragments a round makes F exchanges of ~1/F of the bytes, each behind `delay` (< H / F) inner steps
 FULL = dict(peers=4, links=[None, "100mbit", "20mbit"],
-            points=[(10, "none", 0), (10, "int8", 0), (50, "none", 0), (10, "int8", 8), (50, "none", 25)])
-QUICK = dict(peers=2, links=[None, "20mbit"], points=[(10, "none", 0), (10, "none", 8)])
+            points=[(10, "none", 0, 1), (10, "int8", 0, 1), (50, "none", 0, 1), (10, "int8", 8, 1), (50, "none", 25, 1),
+                    (10, "int8", 4, 2), (50, "none", 20, 2)])
+QUICK = dict(peers=2, links=[None, "20mbit"], points=[(10, "none", 0, 1), (10, "none", 8, 1), (10, "none", 4, 2)])
 
 
 # The round model at scale: a peer is a GPU cluster whose inner step takes t_step (the Streaming DiLoCo paper's
@@ -34,8 +36,7 @@ QUICK = dict(peers=2, links=[None, "20mbit"], points=[(10, "none", 0), (10, "non
 # from 10B), 8 peers, a 1 Gbit/s link each, H = 500, wire bytes per parameter as measured by bench/compression.py
 # (int8 0.27x and int4 0.16x of fp32's 4 bytes), matchmaking 1 s.
 # Streaming DiLoCo columns (diloco.fragments F, diloco.delay; delay < H / F): F exchanges per round, each of 1/F
-# of the bytes and its own matchmaking, each hidden behind `delay` inner steps. Measured with simulated peers
-# only: fragments do not run over the network yet (swarm/fragments.py), so the live points above have none.
+# of the bytes and its own matchmaking, each hidden behind `delay` inner steps.
 SCALE = dict(peers=8, link_bits=1e9, H=500, t_mm=1.0, models=[("1B", 1e9, 0.1), ("30B", 30e9, 2.4)],
              codecs=[("int8", 4 * 0.27), ("int4", 4 * 0.16)], delays=[0, 50, 250],
              streaming=[(4, 5), (4, 50), (16, 25)])
@@ -82,31 +83,33 @@ def run(quick: bool) -> dict:
     runs, rows, mm = [], [], {}
     with tempfile.TemporaryDirectory(prefix="bench-util-") as tmp:
         for link in links:
-            for h, comp, delay in spec["points"]:
+            for h, comp, delay, fragments in spec["points"]:
                 steps = 30 if quick else max(200, 6 * h)
                 cfg = tiny_config(steps, h, swarm={"run_id": f"bench-util-{int(time.time())}", "compression": comp},
-                                  diloco={"delay": delay})
+                                  diloco={"delay": delay, "fragments": fragments})
                 cfg.diloco.eval_every = cfg.diloco.rounds  # one eval, at the end: the loop is inner steps + rounds
-                result = run_swarm(cfg, n, Path(tmp) / f"{link or 'lo'}-h{h}-{comp}-d{delay}", rate=link)
+                result = run_swarm(cfg, n, Path(tmp) / f"{link or 'lo'}-h{h}-{comp}-d{delay}-f{fragments}", rate=link)
                 peers = [utilization(p) for p in result["peers"] if p["rounds"]]
                 if not peers:
-                    rows.append([link or "loopback", h, comp, delay, "failed", *[""] * 8])
-                    runs.append(dict(link=link, H=h, compression=comp, delay=delay, failed=result["failed"]))
+                    rows.append([link or "loopback", h, comp, delay, fragments, "failed", *[""] * 8])
+                    runs.append(dict(link=link, H=h, compression=comp, delay=delay, fragments=fragments,
+                                     failed=result["failed"]))
                     continue
                 tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
                 t_step = statistics.mean(p["compute_s"] / (p["tokens"] / tokens_per_step) for p in peers)
                 comm = statistics.mean(p["comm_s_per_round"] for p in peers)
                 sent = statistics.mean(p["bytes_sent_per_round"] for p in peers)
-                if link is None and not delay:
+                if link is None and not delay and fragments == 1:
                     mm[(h, comp)] = comm
-                t_mm = mm.get((h, comp), 0.0)
-                t_ar = 0.0 if link is None else sent * 8 / rate_bits(link)
+                t_mm = mm.get((h, comp), 0.0)  # per exchange
+                t_ar = 0.0 if link is None else sent / fragments * 8 / rate_bits(link)  # per exchange
                 t_other = statistics.mean(p["overhead_s_per_round"] for p in peers)
-                predicted = round_model(h, t_step, t_mm + t_ar, delay, cfg.diloco.rounds, t_other=t_other)
-                steady_model = round_model(h, t_step, t_mm + t_ar, delay, t_other=t_other)
+                predicted = round_model(h, t_step, t_mm + t_ar, delay, cfg.diloco.rounds, fragments, t_other)
+                steady_model = round_model(h, t_step, t_mm + t_ar, delay, fragments=fragments, t_other=t_other)
                 utils = [p["utilization"] for p in peers]
                 steady = [p["steady"] for p in peers]
-                runs.append(dict(link=link, H=h, compression=comp, delay=delay, steps=steps, peers=peers,
+                runs.append(dict(link=link, H=h, compression=comp, delay=delay, fragments=fragments, steps=steps,
+                                 peers=peers,
                                  t_step=t_step, comm_s_per_round=comm, bytes_sent_per_round=sent, t_matchmaking=t_mm,
                                  t_allreduce_model=t_ar, t_other=t_other, predicted=predicted,
                                  predicted_steady=steady_model, failed=result["failed"],
@@ -114,15 +117,15 @@ def run(quick: bool) -> dict:
                                  round_records=[p["rounds"] for p in result["peers"]]))
                 if link and sum(result["shaped_bytes"].values()) < len(peers) * sent:
                     raise RuntimeError(f"{link}: the traffic did not go through the shaped links")
-                rows.append([link or "loopback", h, comp, delay, f"{statistics.mean(steady):.1%}",
+                rows.append([link or "loopback", h, comp, delay, fragments, f"{statistics.mean(steady):.1%}",
                              f"{min(steady):.1%}–{max(steady):.1%}", f"{steady_model:.1%}",
                              f"{statistics.mean(utils):.1%}", f"{predicted:.1%}", f"{t_step * 1e3:.0f}",
                              f"{comm:.2f}", f"{t_mm:.2f} + {t_ar:.2f}", f"{t_other:.2f}"])
-                print(f"  utilization: {link or 'loopback'} H={h} {comp} delay {delay}: steady "
+                print(f"  utilization: {link or 'loopback'} H={h} {comp} delay {delay} F={fragments}: steady "
                       f"{statistics.mean(steady):.1%} (model {steady_model:.1%}), whole run "
                       f"{statistics.mean(utils):.1%} (model {predicted:.1%})", flush=True)
-    table = md_table(["link", "H", "compression", "delay", "steady state (mean)", "min–max over peers", "round model",
-                      "whole run (mean)", "round model, whole run", "t_step ms", "comm s / round",
+    table = md_table(["link", "H", "compression", "delay", "fragments", "steady state (mean)", "min–max over peers",
+                      "round model", "whole run (mean)", "round model, whole run", "t_step ms", "comm s / round",
                       "model: t_mm + t_allreduce s", "t_other s"], rows)
     table += (f"\n\n{n} peers + a bootstrap, each its own process (1 torch thread) on 2 shared cores; shaped links: "
               f"every process in its own network namespace, tbf on both directions of its veth. Steady state: "
@@ -130,6 +133,7 @@ def run(quick: bool) -> dict:
               f"a long run; whole run: from the start of round 1 to the end of the last (its exchange, which "
               f"nothing hides, and the final eval included). The model's t_mm is the loopback run's comm time per "
               f"round (blocking), with a delay the exchange hides behind that many inner steps (except the last), "
+              f"with F fragments a round makes F exchanges of t_mm + t_allreduce / F each, "
               f"and t_other is the rest of a round outside inner steps and exchange, measured "
               f"(round records' overhead_s less eval_s).{note}\n\nThe round model projected "
               f"to GPU-cluster peers ({SCALE['peers']} peers, 1 Gbit/s links, H={SCALE['H']}; t_step 0.1 s at 1B and "
