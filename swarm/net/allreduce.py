@@ -62,10 +62,8 @@ class AllReduce(GroupSlots):
         self.p2p, self.name, self.stall, self.min_bandwidth, self.pool = p2p, name, stall, min_bandwidth, pool
         self.rule, self.access, self.hooks = rule or Rule(), access or Access(), hooks or Hooks()
         self._opened: Counter[PeerID] = Counter()  # unknown groups each peer is waiting for here
-        # fault injection from outside (tests, `faults.kill_phase`): after a part was pushed; on each encoded
-        # average our part's owner sends ((group, chunk index, bytes) -> the bytes sent instead)
+        # fault injection from outside (`faults.kill_phase`): after a part was pushed
         self.on_pushed: Optional[Callable[[], None]] = None
-        self.on_result: Optional[Callable[[GroupState, int, bytes], bytes]] = None
         self._groups: dict[bytes, asyncio.Future[GroupState]] = {}
         self._serving: set[asyncio.Task] = set()
         self._abandoned: dict[bytes, tuple[PeerID, str]] = {}  # groups a member left before we ran them
@@ -224,12 +222,10 @@ class AllReduce(GroupSlots):
 
     def _reduce(self, group: GroupState, chunk: Chunk, contributions: list[torch.Tensor]) -> bytes:
         codec = group.layout.codec_of(chunk)
-        average = self.hooks.average(reduce_chunk(contributions, group.shares, group.rule))
+        average = self.hooks.average(reduce_chunk(contributions, group.shares, group.rule), chunk.index)
         if not all_finite(average):
             raise AllReduceFailed(f"part {group.me}: the average is not finite")
         payload = codec.encode(average)
-        if self.on_result is not None:
-            payload = self.on_result(group, chunk.index, payload)
         scatter(group.mine.out, chunk, codec.decode(payload, chunk.numel))
         return payload
 

@@ -44,8 +44,9 @@ class Hooks:
         """Our elements of a chunk, after our own finite check, before encoding."""
         return values
 
-    def average(self, values: torch.Tensor) -> torch.Tensor:
-        """A chunk of the average of the part we own, before it is encoded and sent."""
+    def average(self, values: torch.Tensor, chunk: int) -> torch.Tensor:
+        """Chunk `chunk` (its index in our part) of the average of the part we own, before it is encoded and
+        sent."""
         return values
 
     def state(self, name: str, data: bytes) -> bytes:
@@ -87,7 +88,7 @@ class Attacker(Hooks):
             return values * 1e6
         return values
 
-    def average(self, values: torch.Tensor) -> torch.Tensor:
+    def average(self, values: torch.Tensor, chunk: int) -> torch.Tensor:
         return values + 1.0 if "bad-part" in self.kinds else values
 
     def state(self, name: str, data: bytes) -> bytes:

@@ -52,7 +52,8 @@ def run_group(dhts, vectors, weights, *, codec="none", stall=10.0, skip=(), grou
               residual=False, shapes=None, abandon=(), rule=None, hooks=None, clients=()):
     """One in-process all-reduce among `dhts` of flat fp32 `vectors` (one tensor each, or cut into `shapes`);
     members in `skip` never start it, members in `abandon` tell the others they leave it; `rule`: a
-    robust.Rule; `hooks`: {member: {"on_result": fn}} fault injection; `clients`: members that own no part
+    robust.Rule; `hooks`: {member: {attribute: value}} set on its AllReduce (fault injection, e.g. "hooks": a
+    hostile.Hooks); `clients`: members that own no part
     (`swarm.client_mode`). Returns (members, GroupResult or
     exception per started member)."""
     import asyncio

@@ -6,8 +6,8 @@ The job names the config overrides, the vector (seeded), the round and a mode:
 - "victim": pushes its chunks to one owner only, tells the test (marker file) and waits to be SIGKILLed;
 - "slow_fetch": takes the averaged parts 2 s late, when fast groupmates may already be leaving;
 - "huge": sends 1e6 times its vector; "heavy": claims a weight (samples) of 1e18 in matchmaking and HELLO;
-- "wrong_owner": adds 1.0 to every average it returns as a part's owner (fp32 codec), through the
-  all-reduce's `on_result` fault hook.
+- "wrong_owner": adds 1.0 to every average it returns as a part's owner (the `bad-part` attack of
+  swarm/net/hostile.py).
 The result goes to `out` (torch.save); `ready` marks that the peer is up, and it starts averaging when
 the file `go` appears, so all peers of a test enter matchmaking together.
 """
@@ -25,7 +25,6 @@ from swarm.averaging import Snapshot
 from swarm.config import SwarmConfig
 from swarm.diloco import PseudoGradient
 from swarm.net import allreduce
-from swarm.net.codec import get_codec
 from swarm.net.dht import start_dht
 from swarm.net.hostile import Attacker
 from swarm.net.identity import load_identity
@@ -70,10 +69,8 @@ def main(job: dict) -> None:
                 await asyncio.sleep(2.0)
                 return await take(self, group, j, channel)
             allreduce.AllReduce._take_results = late_take
-        if job["mode"] == "wrong_owner":
-            codec = get_codec("none")
-            averager._allreduce.on_result = lambda group, k, payload: codec.encode(
-                codec.decode(payload, len(payload) // 4) + 1.0)
+        if job["mode"] == "wrong_owner":  # adds 1 to every average it returns for its part (hostile.py)
+            averager._allreduce.hooks = Attacker(["bad-part"])
         if job["mode"] == "heavy":  # claims 1e18 samples in matchmaking and as its weight (hostile.py)
             averager.hooks = Attacker(["weight"])
         run = averager._allreduce.run

@@ -8,6 +8,7 @@ from conftest import run_group, three_dhts
 from swarm.net import allreduce
 from swarm.net.codec import get_codec
 from swarm.net.groupstate import AllReduceFailed
+from swarm.net.hostile import Hooks
 from swarm.net.layout import WireLayout
 from swarm.net.robust import Rule
 
@@ -84,15 +85,12 @@ def test_audited_honest_group_passes_and_counts_the_audit_bytes(dhts, codec):
 def test_an_owner_returning_a_wrong_average_is_named(dhts):
     """Member 0 adds 1e-3 to one chunk of its part's average (on every member, itself included): every
     member that audits that chunk names it, and with verify_parts nobody returns the wrong average."""
-    codec = get_codec("none")
-
-    def lie(group, k, payload):
-        if k != 0:
-            return payload
-        return codec.encode(codec.decode(payload, len(payload) // 4) + 1e-3)
+    class LiesOnItsFirstChunk(Hooks):
+        def average(self, values, chunk):
+            return values + 1e-3 if chunk == 0 else values
     vectors = [torch.randn(3000) for _ in range(3)]  # one chunk per part: every audit picks the lie
     members, results = run_group(dhts, vectors, [1.0, 1.0, 1.0], rule=Rule(verify=True),
-                                 hooks={0: {"on_result": lie}}, stall=5.0)
+                                 hooks={0: {"hooks": LiesOnItsFirstChunk()}}, stall=5.0)
     assert all(isinstance(r, AllReduceFailed) for r in results), results
     for r in results[1:]:  # each found it itself (a groupmate's word would name nobody)
         assert f"owner {members[0]} returned a wrong average" in str(r) and r.culprit == members[0], results
