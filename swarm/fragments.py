@@ -41,10 +41,13 @@ exchange meets the others'. A round closes with its last fragment, and only then
 holds the global parameters only, so a resumed peer restarts its local model from them at the round's first
 inner step (as with `diloco.delay`), dropping the local progress of fragments since their last exchange.
 
+Stragglers: as with one fragment, a peer whose groupmates finished their round and wait to average ends its round
+early (`others_ready`), but only after the round's last mid-round exchange landed (`may_stop_early`): peers of
+unequal speed realign once per round. Between, a faster peer waits for a slower one in matchmaking (at most the
+matchmaking time, then it goes without it, and the slower peer takes the state at its next exchange).
+
 Limits: --nproc-per-node > 1 refuses fragments > 1 with exit 2 (`check_supported`): a multi-process peer hands
-its ranks the averager's answers at round boundaries only. A peer that arrives late at an exchange is not waited
-for beyond the matchmaking time (there is no `others_ready` cut-short between fragments): it meets the group at
-a later exchange after taking the state.
+its ranks the averager's answers at round boundaries only.
 """
 
 from __future__ import annotations
@@ -172,6 +175,11 @@ class Fragments:
     def streaming(self) -> bool:
         """More than one fragment: exchanges happen inside the round too."""
         return len(self.all) > 1
+
+    def may_stop_early(self, done: int) -> bool:
+        """Whether a round may end after `done` inner steps (a straggler meeting peers that wait to average):
+        only once every mid-round exchange of the round has landed, so that each still covers its H steps."""
+        return not self.streaming or (self.pending is None and done >= self.starts[-2] + self.delay)
 
     def restart(self) -> None:
         """The local model was reset to the global parameters (resumed or downloaded): no local progress, and no

@@ -148,7 +148,7 @@ class Trainer(TrainerState):
                         exchange = None
                     # diloco.fragments: a mid-round exchange that finds us behind moves self.inner (the swarm's state)
                     paused += self.fragments.after_inner_step(self.inner, self.cfg.data.batch_size)
-                    if self.inner < cfg.inner_steps and exchange is None and not self.fragments.streaming \
+                    if self.inner < cfg.inner_steps and exchange is None and self.fragments.may_stop_early(self.inner) \
                             and self.averager.others_ready(self.diloco.outer_steps):
                         log.info("round %d: peers wait to average; contributing %d of %d inner steps",
                                  self.diloco.round + 1, self.inner, cfg.inner_steps)

@@ -275,3 +275,14 @@ def test_a_peer_behind_at_a_mid_round_exchange_goes_on_from_the_donors_inner_ste
     assert all(torch.equal(t, donor.averager.offered[3][2][k]) for k, t in offered[3][2].items())
     assert taker.step == donor.step == 12  # the donor's step (6 + delay) and the 2 - delay + 4 inner steps after
     assert [e["to_round"] for e in taker.history.events if e["event"] == "state_downloaded"] == [1]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fragments, delay, first", [(1, 0, 1), (1, 2, 1), (2, 0, 5), (2, 2, 7), (3, 1, 7)])
+def test_a_round_ends_early_only_after_its_last_mid_round_exchange_landed(tmp_path, fragments, delay, first):
+    """A straggler cuts its round short to meet peers that wait (others_ready) only once every mid-round exchange
+    of the round has landed (H = 10: fragment f starts after inner step (f + 1) * 10 // F, lands `delay` later)."""
+    cfg = tiny_config(diloco={"rounds": 1, "inner_steps": 10, "delay": delay, "fragments": fragments},
+                      checkpoint={"every": 0})
+    frags = Trainer(cfg, SoloAverager(), "a", shard=0, out_dir=tmp_path).fragments
+    assert [done for done in range(1, 10) if frags.may_stop_early(done)] == list(range(first, 10))

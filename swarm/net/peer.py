@@ -17,6 +17,10 @@ calls in with bounded waits:
   `stall_timeout`.
 - `finish()`: after the last round, serve the state while live peers are behind (`cfg.linger_time`).
 
+Every "round" here is what the trainer passes: its count of committed outer steps. With one fragment that is
+its round; with `diloco.fragments` F it counts every fragment's exchange, F per round (swarm/fragments.py), so
+records, commits, state offers and downloads follow each exchange.
+
 A client (`swarm.client_mode`: a peer that cannot be dialed, e.g. behind a NAT) owns no part of the
 all-reduce (it pushes to the owners and takes the averages back on its own streams), records its commits
 but serves no state (`serves_state` stays False, so nobody picks it as a donor), and leaves at once.
