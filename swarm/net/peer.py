@@ -9,7 +9,10 @@ calls in with bounded waits:
   work); otherwise matchmaking for the round (matchmaking.py), then the streamed all-reduce into the
   trainer's buffers. A failed attempt is retried with whoever is still alive until the round's deadline
   (`budget.round_deadline`, from the vector's bytes), after which the round is discarded (averaged=None),
-  never half-averaged. A peer that meets nobody and that the records show alone applies its own step.
+  never half-averaged. A peer that meets nobody and that the records show alone applies its own step; once it
+  has averaged with others, it does so without matchmaking when the records show nobody else live at its
+  round or the one before (a lone survivor waited 2 x matchmaking_time every round for nobody; until its
+  first group, peers starting with it may not have a record yet).
 - `publish_progress()`, `others_ready()`: this peer's signed progress record and the others' (records.py).
 - `offer_state()`: record the commit (`{run_id}_commits`), then serve this snapshot to newcomers (records.py).
 - `fetch_state()`: take the swarm's state from the donors the policy names, verified against the hash the
@@ -165,6 +168,8 @@ class SwarmAverager(Records, Averager):
             if position.verdict in (policy.Verdict.BEHIND, policy.Verdict.DIVERGED):
                 return RoundOutcome(None, comm_s=time.monotonic() - start, behind=True,
                                     donors=list(position.donors), note=position.note)
+            if self._averaged_once and position.verdict is policy.Verdict.ALONE and position.expected_group == 1:
+                return self._alone(pseudo_grad, samples, out, start)
             try:
                 group = self._matchmaker.form_group(
                     round, self.hooks.meta(meta),
@@ -182,9 +187,7 @@ class SwarmAverager(Records, Averager):
                 if e.left is not None:  # groupmates that believe in this group must not wait for us
                     self._abandon(e.left, e.reason)
                 if e.alone and self._assess(round, base).verdict == policy.Verdict.ALONE:
-                    for i, o in enumerate(out):
-                        o.copy_(pseudo_grad.read(i, 0, o.numel()).view(o.shape))
-                    return RoundOutcome(out, total_samples=samples, comm_s=time.monotonic() - start, note="alone")
+                    return self._alone(pseudo_grad, samples, out, start)
                 logger.info(f"round {round + 1}: {reason}; retrying")
                 continue
             logger.debug(f"round {round + 1}: a group of {len(group.members)} after {time.monotonic() - start:.2f} s")
@@ -219,6 +222,13 @@ class SwarmAverager(Records, Averager):
         return RoundOutcome(None, bytes_sent=sent, bytes_received=received, comm_s=time.monotonic() - start,
                             note=f"round {round + 1} discarded after {time.monotonic() - start:.0f} s "
                                  f"(the round's deadline, budget.round_deadline): {reason}")
+
+    @staticmethod
+    def _alone(pseudo_grad: PseudoGradient, samples: int, out: Sequence[torch.Tensor], start: float) -> RoundOutcome:
+        """Our own pseudo-gradient as the round's average."""
+        for i, o in enumerate(out):
+            o.copy_(pseudo_grad.read(i, 0, o.numel()).view(o.shape))
+        return RoundOutcome(out, total_samples=samples, comm_s=time.monotonic() - start, note="alone")
 
     def _abandon(self, group: Group, reason: str) -> None:
         """Tell the groupmates we can dial that we leave `group`, so that they do not wait for us."""

@@ -164,6 +164,12 @@ def test_alone_and_behind(pair):
     newcomer.averager.publish_progress(9, 0, 0, 0.0, sha256="e" * 64, wait=True)
     outcome = newcomer.averager.average(9, grad, 10, out, "e" * 64)  # nobody at round 9 or beyond: our own step
     assert outcome.note == "alone" and all(torch.equal(a, b) for a, b in zip(outcome.averaged, grad.tensors()))
+    # Once it has averaged with others, a peer the records show alone does not wait in matchmaking for nobody.
+    newcomer.averager._averaged_once = True
+    newcomer.averager._matchmaker.form_group = lambda *args, **kwargs: pytest.fail("matchmaking while alone")
+    newcomer.averager.publish_progress(10, 0, 0, 0.0, sha256="f" * 64, wait=True)
+    outcome = newcomer.averager.average(10, grad, 10, out, "f" * 64)
+    assert outcome.note == "alone" and all(torch.equal(a, b) for a, b in zip(outcome.averaged, grad.tensors()))
     bad = PseudoGradient([torch.zeros(1)], [torch.tensor([float("nan")])])  # the local model went NaN
     assert "not finite" in newcomer.averager.average(9, bad, 10, [torch.empty(1)], "e" * 64).note
 
