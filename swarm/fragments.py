@@ -251,5 +251,5 @@ class Fragments:
         log.warning("round %d: fragment %d's exchange discarded (%s): keeping its local progress for the next one",
                     fragment.diloco.round + 1, fragment.index, outcome.note)
         self.trainer.note({"event": "fragment_discarded", "time": time.time(), "round": fragment.diloco.round,
-                   "fragment": fragment.index, "note": outcome.note})
+                           "fragment": fragment.index, "note": outcome.note})
         return True

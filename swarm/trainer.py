@@ -52,8 +52,7 @@ class Trainer(TrainerState):
         self.diloco = DiLoCo(self.model, cfg.outer, cfg.diloco.global_device, cfg.diloco.mix_alpha)
         # diloco.fragments: the round's own exchange is the last fragment's (all tensors with 1 fragment)
         self.fragments = Fragments(self.diloco, cfg.diloco, averager, TrainerHooks(
-            self._settle_checkpoint, lambda event: self.history.events.append(event), self.catch_up,
-            lambda: self.averager.offer_state(self.snapshot())))
+            self._settle_checkpoint, lambda event: self.history.events.append(event), self.catch_up, self.serve_state))
         self.precision = autocast(cfg.inner.precision, self.device)
         self.optimizer = build_optimizer(self.model, cfg)
         self.train_model = ranks.wrap(self.model)  # DDP over the peer's ranks, or the model itself
@@ -316,7 +315,7 @@ class Trainer(TrainerState):
                 self.checkpointer.wait_begun()
             self.checkpointer.commit(rest, meta)
         if committed:
-            self.averager.offer_state(self.snapshot())
+            self.serve_state()
         if exchange is None:
             record.overhead_s = max(0.0, time.perf_counter() - start - compute_s - record.comm_s)
         else:  # the snapshot and launch of the exchange, then this close

@@ -49,10 +49,13 @@ class TrainerState:
         self.history.final_round, self.history.final_global_sha256 = self.diloco.round, sha
         # With fragments a state is taken mid-round too: its taker goes on from the same inner step of the round
         # (swarm/fragments.py); with one fragment a taker starts the round, and cuts it short to meet the others.
-        inner = self.inner % self.cfg.diloco.inner_steps if self.fragments.streaming else 0
-        meta = {"round": self.diloco.round, "step": self.step, "inner": inner}
+        meta = {"round": self.diloco.round, "step": self.step, "inner": self.inner if self.fragments.streaming else 0}
         return Snapshot(self.diloco.outer_steps, sha, meta, peer_state.shared_tensors(self.diloco, self.optimizer),
                         self.diloco.version, lambda: self.diloco.version)
+
+    def serve_state(self) -> None:
+        """Offer what this peer now holds to the swarm: after a commit, a resume or a download."""
+        self.averager.offer_state(self.snapshot())
 
     def intake(self) -> Intake:
         def accept(meta: dict[str, Any], outer_steps: int) -> None:
@@ -129,7 +132,7 @@ class TrainerState:
             self.history.events.append({"event": "state_downloaded", "time": time.time(), "from_round": before,
                                         "to_round": self.diloco.round, "donor": got.donor, "bytes": got.bytes,
                                         "seconds": got.seconds})
-        self.averager.offer_state(self.snapshot())
+        self.serve_state()
         return got is not None
 
     def _share_state(self) -> None:

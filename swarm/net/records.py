@@ -54,7 +54,6 @@ class Records:
     _offered: Optional[Snapshot]
     _pending_commit: Optional[Snapshot]
     _storing: set[concurrent.futures.Future]  # stores not answered yet, that the heartbeat did not wait for
-    _progress_stores = 0  # progress records sent so far
 
     def publish_progress(self, round: int, inner_step: int, samples: int, samples_per_s: float,
                          ready: bool = False, sha256: str = "", stats: Optional[PeerStats] = None,
@@ -79,15 +78,14 @@ class Records:
                 peer_id=self.peer_id, name=self.peer_name, round=round, inner_step=inner_step, samples=samples,
                 samples_per_s=float(samples_per_s), time=float(now), serves_state=self._server.snapshot is not None,
                 ready=ready, sha256=sha256, **schema.watched(**dataclasses.asdict(self._stats)))
-            self._published, self._progress_stores = record, self._progress_stores + 1
-            sent = self._progress_stores
+            self._published = record
             future = self.dht.store(schema.progress_key(self.cfg.run_id), self.hooks.progress(record.dict()),
                                     subkey=self._owner,
                                     expiration_time=now + self.cfg.progress_expiration, return_future=True)
         # Stores not waited for overlap: a DHT node keeps the record that expires last and refuses an older one
         # that arrives after it, which is no loss once a later record of ours was sent.
         self._confirm(future, f"progress record of round {round}", wait,
-                      superseded=lambda: self._progress_stores != sent)
+                      superseded=lambda: self._published is not record)
 
     def _confirm(self, future: concurrent.futures.Future, what: str, wait: bool,
                  then: Optional[Callable[[], None]] = None, superseded: Callable[[], bool] = lambda: False) -> None:
