@@ -127,7 +127,8 @@ class Trainer(TrainerState):
                     exchange = None
                 if self.diloco.round >= cfg.rounds:
                     break
-                self._hold(self.diloco.round + 1 + (exchange is not None))
+                training = self.diloco.round + 1 + (exchange is not None)  # the last round may still be landing
+                self._hold(training)
                 # H inner steps: plain PyTorch on this peer's shard. A straggler stops early once a faster peer
                 # waits to average, and contributes the steps it has (the average is weighted by samples).
                 start, losses, last_report = time.perf_counter(), [], 0.0
@@ -135,7 +136,7 @@ class Trainer(TrainerState):
                     self.checkpointer.wait_begun()  # it may still write the last round's AdamW moments: overhead
                 inner_start, paused = time.perf_counter(), 0.0  # paused: closing the last round meanwhile
                 while self.inner < cfg.inner_steps and self.diloco.round < cfg.rounds:
-                    self._inject_faults(self.inner)
+                    self._inject_faults(training, self.inner)
                     losses.append(self.inner_step())
                     if progress is not None:
                         progress(self.diloco.round, self.inner, losses[-1])
@@ -151,7 +152,7 @@ class Trainer(TrainerState):
                             and self.averager.others_ready(self.diloco.outer_steps):
                         log.info("round %d: peers wait to average; contributing %d of %d inner steps",
                                  self.diloco.round + 1, self.inner, cfg.inner_steps)
-                        self._inject_faults(self.inner, stopping_early=True)
+                        self._inject_faults(training, self.inner, stopping_early=True)
                         break
                 compute_s = time.perf_counter() - inner_start - paused
                 if exchange is not None:  # a round cut short before `delay` inner steps
@@ -251,22 +252,38 @@ class Trainer(TrainerState):
             time.sleep(0.2)
         log.info("fault injection: released before round %d", round)
 
-    def _inject_faults(self, inner_step: int, stopping_early: bool = False) -> None:
+    def _inject_faults(self, round: int, inner_step: int, stopping_early: bool = False) -> None:
         """`faults` config: sleep like a slow peer, SIGKILL this process or turn its local model NaN halfway
-        through a round (or where it cuts that round short, if that comes first)."""
+        through the inner steps of `round` (or where it cuts that round short, if that comes first)."""
         faults = self.cfg.faults
         if faults.step_delay > 0 and not stopping_early:
             time.sleep(faults.step_delay)
         halfway = inner_step == self.cfg.diloco.inner_steps // 2 or stopping_early
-        if faults.kill_phase == "inner" and faults.kill_round == self.diloco.round + 1 and halfway \
+        if faults.kill_phase == "inner" and faults.kill_round == round and halfway \
                 and faults.kill_rank in (None, self.ranks.rank):
-            log.warning("fault injection: killing this peer (SIGKILL) in round %d", self.diloco.round + 1)
+            log.warning("fault injection: killing this peer (SIGKILL) in round %d", round)
             os.kill(os.getpid(), signal.SIGKILL)
-        if faults.nan_round == self.diloco.round + 1 and halfway and not any(
+        if faults.nan_round == round and halfway and not any(
                 e["event"] == "non_finite_model" for e in self.history.events):  # once
-            log.warning("fault injection: the local model turns NaN in round %d", self.diloco.round + 1)
+            log.warning("fault injection: the local model turns NaN in round %d", round)
             with torch.no_grad():
                 self.diloco.params[0].fill_(float("nan"))
+
+    @torch.no_grad()
+    def _evaluate_global(self, local_differs: bool) -> float:
+        """Held-out loss of the global parameters (what the swarm committed). After a blocking outer step the local
+        model is them; after a delayed one it also holds the inner steps taken since (swarm/overlap.py), and with
+        fragments those taken since the other fragments landed: it is then set aside meanwhile."""
+        if not local_differs:
+            return evaluate(self.model, self.eval_batches, self.device, self.precision)
+        local = [p.detach().clone() for p in self.diloco.params]
+        for p, g in zip(self.diloco.params, self.diloco.global_params):
+            p.copy_(g)
+        try:
+            return evaluate(self.model, self.eval_batches, self.device, self.precision)
+        finally:
+            for p, saved in zip(self.diloco.params, local):
+                p.copy_(saved)
 
     def _close_round(self, outcome: RoundOutcome, checkpoint: bool, train_loss: float, compute_s: float,
                      tokens_per_s: float, start: float, exchange: Optional[Exchange] = None,
@@ -294,7 +311,7 @@ class Trainer(TrainerState):
                         self.diloco.round + 1, outcome.note)
         eval_loss, eval_start = None, time.perf_counter()
         if committed and self.diloco.round % self.cfg.diloco.eval_every == 0:
-            eval_loss = evaluate(self.model, self.eval_batches, self.device, self.precision)
+            eval_loss = self._evaluate_global(local_differs=exchange is not None or self.cfg.diloco.fragments > 1)
             self.last_eval = (self.diloco.round, eval_loss)
         eval_s = time.perf_counter() - eval_start
         record = RoundRecord(

@@ -1,5 +1,6 @@
 """The two-level loop: sim equals a hand-written reference, solo learns, resume is exact."""
 
+import copy
 import json
 
 import pytest
@@ -9,7 +10,7 @@ from peers.local_trainers import simulate
 from swarm.averaging import SoloAverager
 from swarm.checkpoint import Checkpointer, CorruptCheckpoint
 from swarm.data import TrainBatches, load_corpus
-from swarm.inner import lr_lambda
+from swarm.inner import evaluate, lr_lambda
 from swarm.model import build_model
 from swarm.trainer import Trainer
 from tests.conftest import DiscardsOnce, resumed_after, run_cli, tiny_config
@@ -149,6 +150,32 @@ def test_a_delayed_run_resumes_from_its_last_committed_round(tmp_path):
     assert [r.round for r in second.history.rounds if r.committed] == [1, 2, 3, 4]
     for ours, ref in zip(second.history.rounds[:2], straight.history.rounds[:2]):
         assert (ours.train_loss, ours.global_sha256) == (ref.train_loss, ref.global_sha256)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("delay, fragments", [(2, 1), (0, 2)])
+def test_a_round_s_eval_loss_is_that_of_the_committed_global_parameters(tmp_path, delay, fragments):
+    """With overlap the local model has run ahead of the global parameters when a round closes (the inner steps
+    behind a delayed exchange, or those since another fragment landed); the round's eval is still of the global
+    parameters, what the swarm committed."""
+    cfg = tiny_config(diloco={"rounds": 3, "inner_steps": 4, "delay": delay, "fragments": fragments},
+                      checkpoint={"every": 0})
+    trainer = Trainer(cfg, SoloAverager(), "a", shard=0, out_dir=tmp_path)
+    seen = []
+
+    def on_round(record):
+        probe = copy.deepcopy(trainer.model)
+        with torch.no_grad():
+            for p, g in zip(probe.parameters(), trainer.diloco.global_params):
+                p.copy_(g)
+        ahead = any(not torch.equal(p, g) for p, g in zip(trainer.diloco.params, trainer.diloco.global_params))
+        seen.append((record.eval_loss, evaluate(probe, trainer.eval_batches, trainer.device, trainer.precision), ahead))
+
+    trainer.on_round = on_round
+    trainer.train()
+    assert len(seen) == 3 and any(ahead for *_, ahead in seen)  # the local model was ahead at a round's close
+    for reported, of_global, _ in seen:
+        assert reported == pytest.approx(of_global, abs=1e-6)
 
 
 @pytest.mark.timeout(60)
