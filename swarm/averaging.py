@@ -105,6 +105,17 @@ class Averager(ABC):
         round * F + fragment and `pseudo_grad` covers that fragment's tensors only.
         """
 
+    def average_in_background(self, round: int, pseudo_grad: PseudoGradient, samples: int,
+                              out: Sequence[torch.Tensor], base: str = "") -> Optional[RoundOutcome]:
+        """What a delayed exchange (swarm/overlap.py) runs in its own thread, beside the inner steps: `average`
+        less any collective between the ranks of a multi-process peer, which `share_outcome` then runs in the
+        training thread (collectives from two threads on one process group would interleave)."""
+        return self.average(round, pseudo_grad, samples, out, base)
+
+    def share_outcome(self, outcome: Optional[RoundOutcome], out: Sequence[torch.Tensor]) -> RoundOutcome:
+        """The training thread's end of `average_in_background`: the outcome on every rank of this peer."""
+        return outcome
+
     def publish_progress(self, round: int, inner_step: int, samples: int, samples_per_s: float,
                          ready: bool = False, sha256: str = "", stats: Optional[PeerStats] = None) -> None:
         """Tell the swarm how far this peer is; `ready`: its inner steps are done (no-op without a network).

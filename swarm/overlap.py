@@ -51,7 +51,7 @@ class Exchange:
             self.snapshot = [p.detach().to(g.device, torch.float32, copy=True)
                              for p, g in zip(diloco.params, diloco.global_params)]
         self.pseudo_grad = pseudo_grad = PseudoGradient(diloco.global_params, self.snapshot, residual)
-        out = diloco.outer_grads()  # held by the outcome only, which the trainer frees once the round closed
+        self.averager, self.out = averager, diloco.outer_grads()  # the trainer frees `out` once the round closed
         self.outcome: Optional[RoundOutcome] = None
         self.error: Optional[BaseException] = None
         self._done = threading.Event()
@@ -59,7 +59,7 @@ class Exchange:
 
         def run() -> None:
             try:
-                self.outcome = averager.average(self.round, pseudo_grad, samples, out, base)
+                self.outcome = averager.average_in_background(self.round, pseudo_grad, samples, self.out, base)
             except BaseException as e:  # handed to the training thread by result()
                 self.error = e
             finally:
@@ -94,9 +94,12 @@ class Exchange:
             p.add_((self.snapshot[i] - self._start(diloco, i)).to(p.device, p.dtype))
 
     def result(self) -> tuple[RoundOutcome, float]:
-        """The outcome (re-raising what the exchange raised) and how long this call waited for it."""
+        """The outcome (re-raising what the exchange raised) and how long this call waited for it. Called in
+        the training thread: a multi-process peer's ranks take rank 0's outcome here (`share_outcome`)."""
         start = time.perf_counter()
         self._done.wait()
         if self.error is not None:
             raise self.error
-        return self.outcome, time.perf_counter() - start
+        waited = time.perf_counter() - start
+        self.outcome = self.averager.share_outcome(self.outcome, self.out)
+        return self.outcome, waited

@@ -9,7 +9,9 @@ the DHT, averages the pseudo-gradient with the other peers, writes checkpoints a
 
 - at every inner step, whether peers wait to average (so every rank stops at the same step);
 - at the round's end, the outcome and, if it committed, the averaged pseudo-gradient: every rank then
-  takes the same outer step and holds the same global parameters;
+  takes the same outer step and holds the same global parameters. With `diloco.delay` rank 0 averages in a
+  background thread while every rank runs the next inner steps, and the ranks take its outcome when the round
+  settles (`share_outcome`, in the training thread: the background thread runs no collective);
 - after a resume or a state download, every tensor of rank 0's state and its position (`share_state`).
 
 A rank that dies ends the whole peer: torchrun stops the other ranks and exits non-zero, and the swarm
@@ -144,9 +146,6 @@ def check(cfg: Config, nproc: int) -> None:
     if cfg.data.batch_size % (nproc * (micro or 1)):
         by = f"inner.micro_batch_size {micro} x --nproc-per-node {nproc}" if micro else f"--nproc-per-node {nproc}"
         raise UsageError(f"data.batch_size {cfg.data.batch_size} is not divisible by {by}")
-    if nproc > 1 and cfg.diloco.delay:
-        # a background exchange would run collectives on the ranks' process group beside the inner steps' own
-        raise UsageError(f"diloco.delay {cfg.diloco.delay} runs in one-process peers only (--nproc-per-node 1)")
     check_supported(cfg.diloco.fragments, nproc)
     if torch.device(cfg.diloco.device).type == "cuda":
         available = torch.cuda.device_count()
@@ -166,7 +165,16 @@ class RankAverager(Averager):
 
     def average(self, round: int, pseudo_grad: PseudoGradient, samples: int, out: Sequence[torch.Tensor],
                 base: str = "") -> RoundOutcome:
-        outcome = self.endpoint.average(round, pseudo_grad, samples, out, base) if self.endpoint else None
+        return self.share_outcome(self.average_in_background(round, pseudo_grad, samples, out, base), out)
+
+    def average_in_background(self, round: int, pseudo_grad: PseudoGradient, samples: int,
+                              out: Sequence[torch.Tensor], base: str = "") -> Optional[RoundOutcome]:
+        """Rank 0 averages with the swarm; the other ranks have nothing to do until `share_outcome`."""
+        return self.endpoint.average(round, pseudo_grad, samples, out, base) if self.endpoint else None
+
+    def share_outcome(self, outcome: Optional[RoundOutcome], out: Sequence[torch.Tensor]) -> RoundOutcome:
+        """Rank 0's outcome on every rank: its summary, then the averaged pseudo-gradient into `out` if it
+        committed (every rank calls this at the same point of its training thread)."""
         if self.endpoint is not None:
             brief = dataclasses.replace(outcome, averaged=None, residual=None)
             self.ranks.share((brief, outcome.averaged is not None))

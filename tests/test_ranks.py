@@ -41,6 +41,15 @@ def test_two_ranks_train_like_one_process_and_a_killed_peer_resumes_exactly(tmp_
     assert b["eval_loss"] == pytest.approx(a["eval_loss"], abs=1e-5)
     assert rank_hashes(tmp_path / "two") == [b["final_global_sha256"]] * 2
 
+    # overlap on: rank 0's exchange runs behind both ranks' next inner steps; both take its outcome at the settle.
+    # Alone, the average is the peer's own pseudo-gradient, so the local model resumed from the very outer step
+    # that lands: the delayed run trains exactly as the blocking one.
+    two_d = solo(tmp_path / "two-d", 2, "--diloco.delay", "2")
+    assert two_d.returncode == 0, two_d.stderr[-3000:]
+    (b_d,) = summary(tmp_path / "two-d")["peers"]
+    assert b_d["train_loss"] == pytest.approx(a["train_loss"], abs=1e-5)
+    assert rank_hashes(tmp_path / "two-d") == [b_d["final_global_sha256"]] * 2
+
     killed = solo(tmp_path / "resumed", 2, "--faults.kill_round", "3", "--faults.kill_rank", "1")
     assert killed.returncode != 0 and not (tmp_path / "resumed" / "summary.json").exists()
     resumed = solo(tmp_path / "resumed", 2)
@@ -52,9 +61,11 @@ def test_two_ranks_train_like_one_process_and_a_killed_peer_resumes_exactly(tmp_
 
 @pytest.mark.timeout(400)
 def test_local_swarm_of_two_rank_peers_survives_a_dead_rank(tmp_path):
+    """With overlap on (diloco.delay 2): rank 0 averages in a background thread while both ranks run DDP inner
+    steps, and both ranks take its outcome at the round's settle."""
     result = run_cli("local", "--config", "configs/tiny.yaml", "--peers", "3", "--nproc-per-node", "2",
                      "--rounds", "3", "--kill", "1@2", "--out", str(tmp_path), *RUN, "--faults.kill_rank", "1",
-                     timeout=380)
+                     "--diloco.delay", "2", timeout=380)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     done = summary(tmp_path)
     assert "kill" in [e["event"] for e in done["events"]]
@@ -76,8 +87,7 @@ def test_ranks_that_cannot_share_the_batch_or_the_devices_are_refused():
         check(cfg, 3)
     delayed = load_config(ROOT / "configs" / "tiny.yaml", ["--diloco.delay", "2"])
     check(delayed, 1)
-    with pytest.raises(UsageError, match="diloco.delay 2 runs in one-process peers only"):
-        check(delayed, 2)
+    check(delayed, 2)  # the exchange runs in rank 0's background thread, its outcome reaches the ranks at settle
     more = torch.cuda.device_count() + 1
     cuda = load_config(ROOT / "configs" / "tiny.yaml", ["--diloco.device", "cuda", "--data.batch_size", str(8 * more)])
     with pytest.raises(UsageError, match=f"--nproc-per-node {more} exceeds the {more - 1} CUDA devices"):
