@@ -36,13 +36,14 @@ def stamp() -> str:
 
 def tiny_config(steps: int, inner_steps: int, outer_lr: float = 0.7, **sections: dict) -> Config:
     """The notes' tiny reference: configs/tiny.yaml with 2 layers (0.43M parameters), batch 8x128, inner lr 1e-3,
-    `steps` inner steps per worker in rounds of `inner_steps`; no checkpoints, no progress bar."""
+    `steps` inner steps per worker in rounds of `inner_steps`, blocking; no checkpoints, no progress bar."""
     rounds = max(1, steps // inner_steps)
     values: dict[str, Any] = {
         "model": {"num_layers": 2},
         "inner": {"lr": 1e-3, "warmup_steps": min(20, rounds * inner_steps)},
         "outer": {"lr": outer_lr},
-        "diloco": {"rounds": rounds, "inner_steps": inner_steps, "eval_every": eval_every(rounds), "threads": 1},
+        "diloco": {"rounds": rounds, "inner_steps": inner_steps, "eval_every": eval_every(rounds), "threads": 1,
+                   "delay": 0},  # blocking rounds unless a bench point sets diloco.delay
         "checkpoint": {"every": 0},
         "logging": {"progress_bar": False},
     }

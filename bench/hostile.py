@@ -22,7 +22,8 @@ from bench.common import REPO, md_table, stamp
 from swarm.net.attacks import ATTACKS
 
 PEERS, ATTACKER = 4, 3
-RUN = ["--rounds", "4", "--diloco.inner_steps", "30", "--inner.warmup_steps", "10", "--data.eval_batches", "4",
+RUN = ["--rounds", "4", "--diloco.inner_steps", "30", "--diloco.delay", "0",  # blocking, as in the committed table
+       "--inner.warmup_steps", "10", "--data.eval_batches", "4",
        "--swarm.matchmaking_time", "3", "--swarm.request_timeout", "1", "--swarm.stall_timeout", "10",
        # the defenses (off by default): every run, the unattacked one too, uses them
        "--swarm.max_weight_share", "0.5", "--swarm.clip_norm_ratio", "4", "--swarm.aggregation", "trimmed_mean",

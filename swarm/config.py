@@ -99,7 +99,7 @@ class DilocoConfig:
     # Inner steps by which a round's outer step trails its end (swarm/overlap.py): 0 stops computing while the
     # peers average; tau >= 1 averages round r behind the first tau inner steps of round r+1 and applies the
     # result after them, waiting there if it has not arrived. Pick tau so that tau inner steps outlast a round's
-    # matchmaking and all-reduce.
+    # matchmaking and all-reduce. The shipped configs set a tenth of H (README); a config that says nothing blocks.
     delay: int = 0
     fragments: int = 1
     """Streaming DiLoCo (swarm/fragments.py): F contiguous fragments of the parameter tensors, fragment f exchanged

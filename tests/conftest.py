@@ -22,7 +22,7 @@ def tiny_config(**sections) -> Config:
         "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64, "max_seq_len": 32},
         "data": {"seq_len": 32, "batch_size": 4, "eval_batches": 2, "max_documents": 60},
         "inner": {"warmup_steps": 2},
-        "diloco": {"rounds": 3, "inner_steps": 4, "threads": 1},
+        "diloco": {"rounds": 3, "inner_steps": 4, "delay": 0, "threads": 1},  # overlap: where a test asks for it
         "logging": {"progress_bar": False},
     }
     for name, values in sections.items():

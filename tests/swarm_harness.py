@@ -12,11 +12,12 @@ import torch
 
 from peers.local_swarm import Child, bootstrap_maddr, spawn_child, stop_children
 
-# A model and run that make a 3-peer round take a few seconds on 2 cores.
+# A model and run that make a 3-peer round take a few seconds on 2 cores; blocking rounds (configs/tiny.yaml
+# overlaps them) unless a test asks for --diloco.delay.
 SMALL = ["--model.hidden_size", "32", "--model.num_layers", "1", "--model.num_heads", "2",
          "--model.intermediate_size", "64", "--model.max_seq_len", "32", "--data.seq_len", "32",
          "--data.max_documents", "80", "--data.eval_batches", "2", "--inner.warmup_steps", "2",
-         "--diloco.threads", "1", "--logging.progress_bar", "false",
+         "--diloco.threads", "1", "--diloco.delay", "0", "--logging.progress_bar", "false",
          "--swarm.matchmaking_time", "3", "--swarm.request_timeout", "1", "--swarm.stall_timeout", "5",
          "--swarm.progress_expiration", "20"]
 

@@ -77,15 +77,18 @@ def test_local_swarm_kill_inside_allreduce_and_join(tmp_path, delay, fragments):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("checkpoint", ["intact", "corrupt"])
-def test_crash_and_restart_resumes_and_catches_up(tmp_path, checkpoint):
+@pytest.mark.parametrize("checkpoint, delay", [("intact", 4), ("corrupt", 0)])
+def test_crash_and_restart_resumes_and_catches_up(tmp_path, checkpoint, delay):
     """b dies in round 3 and restarts on its folder; a holds before round 4 until b is back (a restart takes
-    seconds, a tiny round less: without the hold a could finish all rounds first, and b rightly stop)."""
+    seconds, a tiny round less: without the hold a could finish all rounds first, and b rightly stop). With
+    overlap on (delay 4 of 6 inner steps) b dies at inner step 3 of round 3, round 2's exchange still in flight:
+    its checkpoint holds round 1, and it catches up from a."""
     hold = tmp_path / "hold-a"
     hold.touch()
     with local_swarm(tmp_path) as swarm:
-        a, b, args = two_peers(swarm, 5, "--faults.kill_round", "3",
-                               a_faults=("--faults.hold_round", "4", "--faults.hold_file", str(hold)))
+        a, b, args = two_peers(swarm, 5, "--faults.kill_round", "3", "--diloco.delay", str(delay),
+                               a_faults=("--faults.hold_round", "4", "--faults.hold_file", str(hold),
+                                         "--diloco.delay", str(delay)))
         b.proc.wait(timeout=200)
         assert b.proc.returncode == -signal.SIGKILL
         saved = tmp_path / "b" / "checkpoint" / "checkpoint.pt"
@@ -93,7 +96,7 @@ def test_crash_and_restart_resumes_and_catches_up(tmp_path, checkpoint):
         if checkpoint == "corrupt":
             saved.write_bytes(saved.read_bytes()[:1000])
         (tmp_path / "b" / "status.json").unlink()  # b2 writes its own
-        b2 = swarm.start_peer("b", *args, "--data.shard", "1")  # same folder: resume, then catch up
+        b2 = swarm.start_peer("b", *args, "--data.shard", "1", "--diloco.delay", str(delay))  # resume, catch up
         deadline = time.time() + 120
         while read_status(b2).get("state") != "training" and b2.proc.poll() is None and time.time() < deadline:
             time.sleep(0.2)
@@ -111,10 +114,13 @@ def test_crash_and_restart_resumes_and_catches_up(tmp_path, checkpoint):
 
 
 @pytest.mark.timeout(300)
-def test_sigterm_leaves_cleanly_and_the_rest_carry_on(tmp_path):
+@pytest.mark.parametrize("delay", [0, 4])
+def test_sigterm_leaves_cleanly_and_the_rest_carry_on(tmp_path, delay):
+    """With overlap on, the leaver may stop with an exchange in flight: it checkpoints its last committed round."""
     with local_swarm(tmp_path) as swarm:
         swarm.start_bootstrap()
-        args = ["--diloco.rounds", "4", "--diloco.inner_steps", "6", "--swarm.target_group_size", "3"]
+        args = ["--diloco.rounds", "4", "--diloco.inner_steps", "6", "--swarm.target_group_size", "3",
+                "--diloco.delay", str(delay)]
         peers = [swarm.start_peer(f"p{i}", *args, "--data.shard", str(i)) for i in range(3)]
         leaver = peers[2]
         deadline = time.time() + 150
@@ -197,11 +203,14 @@ def test_a_peer_restarted_after_the_swarm_finished_stops_instead_of_forking(tmp_
 
 
 @pytest.mark.timeout(300)
-def test_a_peer_whose_model_goes_nan_takes_the_swarm_s_state(tmp_path):
+@pytest.mark.parametrize("delay", [0, 4])
+def test_a_peer_whose_model_goes_nan_takes_the_swarm_s_state(tmp_path, delay):
     """b's local model turns NaN in round 2: it stops announcing readiness, takes a's state of round 1 and
-    trains on; both end on one hash, and no round ever averaged a NaN."""
+    trains on; both end on one hash, and no round ever averaged a NaN. With overlap on, round 1's exchange
+    is still in flight when the model turns NaN (inner step 3) and lands (step 4) on the NaN local model."""
     with local_swarm(tmp_path) as swarm:
-        a, b, _ = two_peers(swarm, 4, "--faults.nan_round", "2")
+        a, b, _ = two_peers(swarm, 4, "--faults.nan_round", "2", "--diloco.delay", str(delay),
+                            a_faults=("--diloco.delay", str(delay)))
         swarm.wait([a, b], timeout=240)
         assert a.proc.returncode == 0 and b.proc.returncode == 0, swarm.log(b)[-3000:]
         log = swarm.log(b)

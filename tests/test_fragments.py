@@ -174,7 +174,7 @@ def test_a_discarded_round_end_fragment_retries_the_round(tmp_path):
 def test_more_fragments_than_tensors_exits_2_naming_the_key(tmp_path):
     # configs/tiny.yaml: 4 layers of 9 tensors, the embeddings and the final norm: 38 tensors
     result = run_cli("peer", "--config", "configs/tiny.yaml", "--solo", "--out", str(tmp_path), "--diloco.fragments",
-                     "39", "--data.max_documents", "60", "--logging.progress_bar", "false")
+                     "39", "--diloco.delay", "0", "--data.max_documents", "60", "--logging.progress_bar", "false")
     assert result.returncode == 2, result.stderr[-2000:]
     assert "diloco.fragments 39 must be in [1, 38]" in result.stderr
 

@@ -65,10 +65,11 @@ def test_real_recipe_loads_and_the_150m_architecture_takes_inner_steps_on_cpu(re
     with its own architecture, precision and micro-batching, shrunk to 2 sequences of 32 tokens."""
     cfg = load_config(ROOT / "configs" / f"{recipe}.yaml")
     assert cfg.inner.precision == "bf16" and cfg.data.batch_size % cfg.inner.micro_batch_size == 0
+    assert 0 < cfg.diloco.delay <= cfg.diloco.inner_steps // 10  # overlap on: a small share of H (README)
     if recipe != "llama-150m":
         return
     cfg = load_config(ROOT / "configs" / f"{recipe}.yaml", [
-        "--diloco.device", "cpu", "--diloco.rounds", "1", "--diloco.inner_steps", "2", "--diloco.threads", "2",
+        "--diloco.device", "cpu", "--diloco.rounds", "1", "--diloco.inner_steps", "2", "--diloco.delay", "1", "--diloco.threads", "2",
         "--data.batch_size", "2", "--inner.micro_batch_size", "1", "--data.seq_len", "32", "--data.eval_batches",
         "1", "--data.max_documents", "40", "--inner.warmup_steps", "1", "--checkpoint.every", "0",
         "--logging.progress_bar", "false"])
