@@ -175,7 +175,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"diloco.fragments {dl.fragments} must be in [1, diloco.inner_steps = {dl.inner_steps}]")
     if not 0 <= dl.delay < dl.inner_steps // dl.fragments:
         raise ConfigError(f"diloco.delay {dl.delay} must be in [0, diloco.inner_steps // diloco.fragments = "
-                          f"{dl.inner_steps // dl.fragments}): an exchange lands before the next one starts")
+                          f"{dl.inner_steps // dl.fragments}): an exchange lands before the next one starts "
+                          f"(--diloco.delay 0: blocking rounds)")
     if not 0.0 <= dl.mix_alpha <= 1.0:
         raise ConfigError(f"diloco.mix_alpha {dl.mix_alpha} must be in [0, 1]")
     if dl.fragments > 1 and cfg.logging.dump_tensors:

@@ -55,6 +55,8 @@ def test_overrides_in_both_forms():
     (["--diloco.fragments", "0"], "diloco.fragments"),
     (["--diloco.fragments", "41"], "diloco.fragments 41 must be in [1, diloco.inner_steps = 40]"),
     (["--diloco.fragments", "2", "--diloco.delay", "20"], "diloco.delay 20 must be in [0, diloco.inner_steps // "),
+    (["--diloco.inner_steps", "4"], "diloco.delay 4 must be in [0, diloco.inner_steps // diloco.fragments = 4): an "
+                                    "exchange lands before the next one starts (--diloco.delay 0: blocking rounds)"),
     (["--diloco.fragments", "2.5"], "diloco.fragments"),
     (["--diloco.mix_alpha", "1.5"], "diloco.mix_alpha"),
     (["--diloco.mix_alpha", "-0.1"], "diloco.mix_alpha"),
