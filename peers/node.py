@@ -28,7 +28,6 @@ import torch
 from swarm.config import Config, FaultsConfig
 from swarm.data import shard_index
 from swarm.errors import Stopped
-from swarm.fragments import check_supported
 from swarm.ranks import Ranks
 from swarm.report import peer_summary, write_json, write_summary
 from swarm.trainer import Trainer
@@ -58,7 +57,6 @@ def _terminate_on_sigterm() -> None:
 
 def run_peer(cfg: Config, out_dir: Path, name: Optional[str]) -> Path:
     ranks = Ranks.from_env()
-    check_supported(cfg.diloco.fragments, ranks.world_size)
     _terminate_on_sigterm()
     if cfg.diloco.threads:
         torch.set_num_threads(cfg.diloco.threads)

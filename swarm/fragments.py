@@ -46,8 +46,9 @@ early (`others_ready`), but only after the round's last mid-round exchange lande
 unequal speed realign once per round. Between, a faster peer waits for a slower one in matchmaking (at most the
 matchmaking time, then it goes without it, and the slower peer takes the state at its next exchange).
 
-Limits: --nproc-per-node > 1 refuses fragments > 1 with exit 2 (`check_supported`): a multi-process peer hands
-its ranks the averager's answers at round boundaries only.
+Multi-process peers (--nproc-per-node > 1): every rank runs the same fragments at the same inner steps; rank 0
+averages, and its outcomes, mid-round ones too, and any state a mid-round exchange makes it take (with its
+position: round, step, outer steps, inner step) reach the other ranks in the training thread (swarm/ranks.py).
 """
 
 from __future__ import annotations
@@ -62,7 +63,6 @@ import torch
 from swarm.averaging import Averager, RoundOutcome
 from swarm.config import ConfigError, DilocoConfig
 from swarm.diloco import DiLoCo, PseudoGradient
-from swarm.errors import UsageError
 from swarm.history import RoundRecord
 from swarm.overlap import Exchange
 
@@ -90,12 +90,6 @@ def partition(numels: Sequence[int], parts: int) -> list[list[int]]:
 def sync_steps(inner_steps: int, fragments: int) -> list[int]:
     """The inner step of a round after which each fragment's exchange starts (the last one: the round's end)."""
     return [(f + 1) * inner_steps // fragments for f in range(fragments)]
-
-
-def check_supported(fragments: int, nproc: int = 1) -> None:
-    """UsageError (exit 2) for what fragments do not run with yet (module docstring, Limits)."""
-    if fragments > 1 and nproc > 1:
-        raise UsageError(f"diloco.fragments {fragments} runs in one-process peers only (--nproc-per-node 1)")
 
 
 @dataclass

@@ -11,7 +11,8 @@ the DHT, averages the pseudo-gradient with the other peers, writes checkpoints a
 - at the round's end, the outcome and, if it committed, the averaged pseudo-gradient: every rank then
   takes the same outer step and holds the same global parameters. With `diloco.delay` rank 0 averages in a
   background thread while every rank runs the next inner steps, and the ranks take its outcome when the round
-  settles (`share_outcome`, in the training thread: the background thread runs no collective);
+  settles (`share_outcome`, in the training thread: the background thread runs no collective); with
+  `diloco.fragments` the same holds for every fragment's exchange, mid-round ones too;
 - after a resume or a state download, every tensor of rank 0's state and its position (`share_state`).
 
 A rank that dies ends the whole peer: torchrun stops the other ranks and exits non-zero, and the swarm
@@ -36,7 +37,6 @@ from swarm.averaging import Averager, Download, Intake, RoundOutcome, Snapshot
 from swarm.config import Config
 from swarm.diloco import PseudoGradient
 from swarm.errors import SwarmError, UsageError
-from swarm.fragments import check_supported
 from swarm.state import TensorSpec
 
 
@@ -146,7 +146,6 @@ def check(cfg: Config, nproc: int) -> None:
     if cfg.data.batch_size % (nproc * (micro or 1)):
         by = f"inner.micro_batch_size {micro} x --nproc-per-node {nproc}" if micro else f"--nproc-per-node {nproc}"
         raise UsageError(f"data.batch_size {cfg.data.batch_size} is not divisible by {by}")
-    check_supported(cfg.diloco.fragments, nproc)
     if torch.device(cfg.diloco.device).type == "cuda":
         available = torch.cuda.device_count()
         if nproc > available:

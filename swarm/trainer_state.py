@@ -139,7 +139,7 @@ class TrainerState:
         """A multi-process peer: every rank takes rank 0's state (resumed, downloaded, or its own)."""
         position = share_state(self.ranks, lambda: peer_state.shared_tensors(self.diloco, self.optimizer),
                                lambda specs: peer_state.destinations(self.diloco, self.optimizer, specs),
-                               (self.diloco.round, self.step))
+                               (self.diloco.round, self.step, self.diloco.outer_steps, self.inner))
         if position is not None and not self.ranks.endpoint:
             self._set_position(*position)
             self.diloco.sync_local()

@@ -179,15 +179,6 @@ def test_more_fragments_than_tensors_exits_2_naming_the_key(tmp_path):
     assert "diloco.fragments 39 must be in [1, 38]" in result.stderr
 
 
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("args", [["local", "--peers", "2"], ["peer", "--solo"]])
-def test_fragments_with_ranks_exit_2(tmp_path, args):
-    result = run_cli(*args[:1], "--config", "configs/tiny.yaml", *args[1:], "--nproc-per-node", "2", "--out",
-                     str(tmp_path), "--diloco.fragments", "2")
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert "diloco.fragments 2 runs in one-process peers only" in result.stderr
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("delay", [0, 1])
 def test_a_fragmented_run_resumes_from_its_last_committed_round(tmp_path, delay):

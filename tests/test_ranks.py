@@ -41,14 +41,14 @@ def test_two_ranks_train_like_one_process_and_a_killed_peer_resumes_exactly(tmp_
     assert b["eval_loss"] == pytest.approx(a["eval_loss"], abs=1e-5)
     assert rank_hashes(tmp_path / "two") == [b["final_global_sha256"]] * 2
 
-    # overlap on: rank 0's exchange runs behind both ranks' next inner steps; both take its outcome at the settle.
-    # Alone, the average is the peer's own pseudo-gradient, so the local model resumed from the very outer step
-    # that lands: the delayed run trains exactly as the blocking one.
-    two_d = solo(tmp_path / "two-d", 2, "--diloco.delay", "2")
-    assert two_d.returncode == 0, two_d.stderr[-3000:]
-    (b_d,) = summary(tmp_path / "two-d")["peers"]
-    assert b_d["train_loss"] == pytest.approx(a["train_loss"], abs=1e-5)
-    assert rank_hashes(tmp_path / "two-d") == [b_d["final_global_sha256"]] * 2
+    # overlap on, streaming: two exchanges a round, each running in rank 0's background thread behind the next
+    # inner step of both ranks, which take its outcome where it lands (the first mid-round)
+    streams = [solo(tmp_path / f"f2-{n}", n, "--diloco.fragments", "2", "--diloco.delay", "1") for n in (1, 2)]
+    assert all(r.returncode == 0 for r in streams), streams[1].stderr[-3000:]
+    (a_f,), (b_f,) = summary(tmp_path / "f2-1")["peers"], summary(tmp_path / "f2-2")["peers"]
+    assert b_f["train_loss"] == pytest.approx(a_f["train_loss"], abs=1e-5)
+    assert b_f["eval_loss"] == pytest.approx(a_f["eval_loss"], abs=1e-5)
+    assert rank_hashes(tmp_path / "f2-2") == [b_f["final_global_sha256"]] * 2
 
     killed = solo(tmp_path / "resumed", 2, "--faults.kill_round", "3", "--faults.kill_rank", "1")
     assert killed.returncode != 0 and not (tmp_path / "resumed" / "summary.json").exists()
@@ -61,11 +61,11 @@ def test_two_ranks_train_like_one_process_and_a_killed_peer_resumes_exactly(tmp_
 
 @pytest.mark.timeout(400)
 def test_local_swarm_of_two_rank_peers_survives_a_dead_rank(tmp_path):
-    """With overlap on (diloco.delay 2): rank 0 averages in a background thread while both ranks run DDP inner
-    steps, and both ranks take its outcome at the round's settle."""
+    """With overlap on (two fragments, each landing 1 inner step after its exchange started): rank 0 averages in a
+    background thread while both ranks run DDP inner steps, and both ranks take its outcome where it lands."""
     result = run_cli("local", "--config", "configs/tiny.yaml", "--peers", "3", "--nproc-per-node", "2",
                      "--rounds", "3", "--kill", "1@2", "--out", str(tmp_path), *RUN, "--faults.kill_rank", "1",
-                     "--diloco.delay", "2", timeout=380)
+                     "--diloco.fragments", "2", "--diloco.delay", "1", timeout=380)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     done = summary(tmp_path)
     assert "kill" in [e["event"] for e in done["events"]]
