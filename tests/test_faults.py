@@ -106,6 +106,7 @@ def test_crash_and_restart_resumes_and_catches_up(tmp_path, checkpoint, delay):
         log = swarm.log(b2)
         if checkpoint == "intact":
             assert "resumed from" in log
+            assert not delay or " at round 1 (" in log  # round 2 had not landed: its checkpoint is round 1's
         else:
             assert "corrupt checkpoint" in log and "falling back to the state of peers" in log
             assert "fetched the state of round" in log
