@@ -30,10 +30,14 @@ from bench.swarmrun import netns_available, run_swarm, utilization
 
 # (H, compression, diloco.delay, diloco.fragments): with a delay the exchange runs behind the next `delay` inner
 # steps; with F fragments a round makes F exchanges of ~1/F of the bytes, each behind `delay` (< H / F) inner steps
-FULL = dict(peers=4, links=[None, "100mbit", "20mbit"],
-            points=[(10, "none", 0, 1), (10, "int8", 0, 1), (50, "none", 0, 1), (10, "int8", 8, 1), (50, "none", 25, 1),
-                    (10, "int8", 4, 2), (50, "none", 20, 2)])
-QUICK = dict(peers=2, links=[None, "20mbit"], points=[(10, "none", 0, 1), (10, "none", 8, 1), (10, "none", 4, 2)])
+# Each set: its peers, links and points. The second full set runs 2 peers, one compute-bound process per core,
+# to tell what the link costs from what 4 compute-bound peers on 2 cores cost each other.
+FULL = [dict(peers=4, links=[None, "100mbit", "20mbit"],
+             points=[(10, "none", 0, 1), (10, "int8", 0, 1), (50, "none", 0, 1), (10, "int8", 8, 1),
+                     (50, "none", 25, 1), (10, "int8", 4, 2), (50, "none", 20, 2)]),
+        dict(peers=2, links=[None, "20mbit"],
+             points=[(10, "int8", 0, 1), (50, "none", 0, 1), (10, "int8", 8, 1), (50, "none", 25, 1)])]
+QUICK = [dict(peers=2, links=[None, "20mbit"], points=[(10, "none", 0, 1), (10, "none", 8, 1), (10, "none", 4, 2)])]
 
 
 # The round model at scale: a peer is a GPU cluster whose inner step takes t_step (the Streaming DiLoCo paper's
@@ -114,68 +118,68 @@ def rate_bits(link: str) -> float:
 
 
 def run(quick: bool) -> dict:
-    spec = QUICK if quick else FULL
-    n = spec["peers"]
     ok, why = netns_available()
-    links = spec["links"] if ok else [None]
     note = "" if ok else f"\n\nNetwork namespaces are not available here ({why}): loopback only."
     runs, rows, mm = [], [], {}
+    sets = [(spec["peers"], link, point) for spec in (QUICK if quick else FULL)
+            for link in (spec["links"] if ok else [None]) for point in spec["points"]]
     with tempfile.TemporaryDirectory(prefix="bench-util-") as tmp:
-        for link in links:
-            for h, comp, delay, fragments in spec["points"]:
-                steps = 30 if quick else max(200, 6 * h)
-                cfg = tiny_config(steps, h, swarm={"run_id": f"bench-util-{int(time.time())}", "compression": comp},
-                                  diloco={"delay": delay, "fragments": fragments})
-                cfg.diloco.eval_every = cfg.diloco.rounds  # one eval, at the end: the loop is inner steps + rounds
-                result = run_swarm(cfg, n, Path(tmp) / f"{link or 'lo'}-h{h}-{comp}-d{delay}-f{fragments}", rate=link)
-                peers = [utilization(p) for p in result["peers"] if p["rounds"]]
-                if not peers:
-                    rows.append([link or "loopback", h, comp, delay, fragments, "failed", *[""] * 9])
-                    runs.append(dict(link=link, H=h, compression=comp, delay=delay, fragments=fragments,
-                                     failed=result["failed"]))
-                    continue
-                tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-                t_step = statistics.mean(p["compute_s"] / (p["tokens"] / tokens_per_step) for p in peers)
-                comm = statistics.mean(p["comm_s_per_round"] for p in peers)
-                sent = statistics.mean(p["bytes_sent_per_round"] for p in peers)
-                records = [p["rounds"] for p in result["peers"] if p["rounds"]]
-                if link is None and not delay and fragments == 1:
-                    mm[(h, comp)] = comm
-                if link is None:  # the exchange itself: the last peer to start it waits for nobody
-                    last = [min(r[k]["comm_s"] for r in records) for k in range(min(map(len, records)))]
-                    mm[(h, comp, delay, fragments)] = statistics.mean(last) / fragments
-                t_mm = mm.get((h, comp), 0.0)  # per exchange
-                t_ar = 0.0 if link is None else sent / fragments * 8 / rate_bits(link)  # per exchange
-                t_other = statistics.mean(p["overhead_s_per_round"] for p in peers)
-                predicted = round_model(h, t_step, t_mm + t_ar, delay, cfg.diloco.rounds, fragments, t_other)
-                steady_model = round_model(h, t_step, t_mm + t_ar, delay, fragments=fragments, t_other=t_other)
-                t_exchange = mm.get((h, comp, delay, fragments), 0.0) + t_ar
-                replay = statistics.mean(replayed([[r["compute_s"] for r in rs] for rs in records], h, t_exchange,
-                                                  delay, fragments, t_other))
-                utils = [p["utilization"] for p in peers]
-                steady = [p["steady"] for p in peers]
-                runs.append(dict(link=link, H=h, compression=comp, delay=delay, fragments=fragments, steps=steps,
-                                 peers=peers,
-                                 t_step=t_step, comm_s_per_round=comm, bytes_sent_per_round=sent, t_matchmaking=t_mm,
-                                 t_allreduce_model=t_ar, t_other=t_other, predicted=predicted,
-                                 predicted_steady=steady_model, t_exchange=t_exchange, replayed_steady=replay,
-                                 failed=result["failed"],
-                                 swarm_wall_s=result["wall_s"], shaped_bytes=result["shaped_bytes"],
-                                 round_records=[p["rounds"] for p in result["peers"]]))
-                if link and sum(result["shaped_bytes"].values()) < len(peers) * sent:
-                    raise RuntimeError(f"{link}: the traffic did not go through the shaped links")
-                rows.append([link or "loopback", h, comp, delay, fragments, f"{statistics.mean(steady):.1%}",
-                             f"{min(steady):.1%}–{max(steady):.1%}", f"{steady_model:.1%}",
-                             f"{replay:.1%}",
-                             f"{statistics.mean(utils):.1%}", f"{predicted:.1%}", f"{t_step * 1e3:.0f}",
-                             f"{comm:.2f}", f"{t_mm:.2f} + {t_ar:.2f}", f"{t_other:.2f}"])
-                print(f"  utilization: {link or 'loopback'} H={h} {comp} delay {delay} F={fragments}: steady "
-                      f"{statistics.mean(steady):.1%} (model {steady_model:.1%}, replayed {replay:.1%}), whole run "
-                      f"{statistics.mean(utils):.1%} (model {predicted:.1%})", flush=True)
-    table = md_table(["link", "H", "compression", "delay", "fragments", "steady state (mean)", "min–max over peers",
-                      "round model", "round model replayed", "whole run (mean)", "round model, whole run", "t_step ms",
-                      "comm s / round", "model: t_mm + t_allreduce s", "t_other s"], rows)
-    table += (f"\n\n{n} peers + a bootstrap, each its own process (1 torch thread) on 2 shared cores; shaped links: "
+        for n, link, (h, comp, delay, fragments) in sets:
+            steps = 30 if quick else max(200, 6 * h)
+            cfg = tiny_config(steps, h, swarm={"run_id": f"bench-util-{int(time.time())}", "compression": comp},
+                              diloco={"delay": delay, "fragments": fragments})
+            cfg.diloco.eval_every = cfg.diloco.rounds  # one eval, at the end: the loop is inner steps + rounds
+            result = run_swarm(cfg, n, Path(tmp) / f"{n}-{link or 'lo'}-h{h}-{comp}-d{delay}-f{fragments}", rate=link)
+            peers = [utilization(p) for p in result["peers"] if p["rounds"]]
+            if not peers:
+                rows.append([n, link or "loopback", h, comp, delay, fragments, "failed", *[""] * 9])
+                runs.append(dict(peers_n=n, link=link, H=h, compression=comp, delay=delay, fragments=fragments,
+                                 failed=result["failed"]))
+                continue
+            tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+            t_step = statistics.mean(p["compute_s"] / (p["tokens"] / tokens_per_step) for p in peers)
+            comm = statistics.mean(p["comm_s_per_round"] for p in peers)
+            sent = statistics.mean(p["bytes_sent_per_round"] for p in peers)
+            records = [p["rounds"] for p in result["peers"] if p["rounds"]]
+            if link is None and not delay and fragments == 1:
+                mm[(n, h, comp)] = comm
+            if link is None:  # the exchange itself: the last peer to start it waits for nobody
+                last = [min(r[k]["comm_s"] for r in records) for k in range(min(map(len, records)))]
+                mm[(n, h, comp, delay, fragments)] = statistics.mean(last) / fragments
+            t_mm = mm.get((n, h, comp), 0.0)  # per exchange
+            t_ar = 0.0 if link is None else sent / fragments * 8 / rate_bits(link)  # per exchange
+            t_other = statistics.mean(p["overhead_s_per_round"] for p in peers)
+            predicted = round_model(h, t_step, t_mm + t_ar, delay, cfg.diloco.rounds, fragments, t_other)
+            steady_model = round_model(h, t_step, t_mm + t_ar, delay, fragments=fragments, t_other=t_other)
+            t_exchange = mm.get((n, h, comp, delay, fragments), 0.0) + t_ar
+            replay = statistics.mean(replayed([[r["compute_s"] for r in rs] for rs in records], h, t_exchange,
+                                              delay, fragments, t_other))
+            utils = [p["utilization"] for p in peers]
+            steady = [p["steady"] for p in peers]
+            runs.append(dict(peers_n=n, link=link, H=h, compression=comp, delay=delay, fragments=fragments, steps=steps,
+                             peers=peers,
+                             t_step=t_step, comm_s_per_round=comm, bytes_sent_per_round=sent, t_matchmaking=t_mm,
+                             t_allreduce_model=t_ar, t_other=t_other, predicted=predicted,
+                             predicted_steady=steady_model, t_exchange=t_exchange, replayed_steady=replay,
+                             failed=result["failed"],
+                             swarm_wall_s=result["wall_s"], shaped_bytes=result["shaped_bytes"],
+                             round_records=[p["rounds"] for p in result["peers"]]))
+            if link and sum(result["shaped_bytes"].values()) < len(peers) * sent:
+                raise RuntimeError(f"{link}: the traffic did not go through the shaped links")
+            rows.append([n, link or "loopback", h, comp, delay, fragments, f"{statistics.mean(steady):.1%}",
+                         f"{min(steady):.1%}–{max(steady):.1%}", f"{steady_model:.1%}",
+                         f"{replay:.1%}",
+                         f"{statistics.mean(utils):.1%}", f"{predicted:.1%}", f"{t_step * 1e3:.0f}",
+                         f"{comm:.2f}", f"{t_mm:.2f} + {t_ar:.2f}", f"{t_other:.2f}"])
+            print(f"  utilization: {n} peers, {link or 'loopback'} H={h} {comp} delay {delay} F={fragments}: steady "
+                  f"{statistics.mean(steady):.1%} (model {steady_model:.1%}, replayed {replay:.1%}), whole run "
+                  f"{statistics.mean(utils):.1%} (model {predicted:.1%})", flush=True)
+    table = md_table(["peers", "link", "H", "compression", "delay", "fragments", "steady state (mean)",
+                      "min–max over peers", "round model", "round model replayed", "whole run (mean)",
+                      "round model, whole run", "t_step ms", "comm s / round", "model: t_mm + t_allreduce s",
+                      "t_other s"], rows)
+    table += (f"\n\nThe peers + a bootstrap, each its own process (1 torch thread) on 2 shared cores (4 peers: two "
+              f"compute-bound processes per core; 2 peers: one); shaped links: "
               f"every process in its own network namespace, tbf on both directions of its veth. Steady state: "
               f"inner-step seconds / wall seconds from the start of round 2 to the start of the last round, as in "
               f"a long run; whole run: from the start of round 1 to the end of the last (its exchange, which "
@@ -191,5 +195,5 @@ def run(quick: bool) -> dict:
               f"to GPU-cluster peers ({SCALE['peers']} peers, 1 Gbit/s links, H={SCALE['H']}; t_step 0.1 s at 1B and "
               f"2.4 s at 30B, from the Streaming DiLoCo paper's simulation; measured wire bytes per codec):\n\n"
               f"{projection()}")
-    return {"table": table, "config": {"peers": n, "links": links, "points": spec["points"], "netns": ok,
-                                       "netns_note": why}, "runs": runs, "timestamp": stamp()}
+    return {"table": table, "config": {"sets": QUICK if quick else FULL, "netns": ok, "netns_note": why},
+            "runs": runs, "timestamp": stamp()}
