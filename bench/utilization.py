@@ -28,10 +28,10 @@ from typing import Optional
 from bench.common import md_table, stamp, tiny_config
 from bench.swarmrun import netns_available, run_swarm, utilization
 
-# (H, compression, diloco.delay, diloco.fragments): with a delay the exchange runs behind the next `delay` inner
-# steps; with F fragments a round makes F exchanges of ~1/F of the bytes, each behind `delay` (< H / F) inner steps
-# Each set: its peers, links and points. The second full set runs 2 peers, one compute-bound process per core,
-# to tell what the link costs from what 4 compute-bound peers on 2 cores cost each other.
+# Sets of runs: peers, links, and points (H, compression, diloco.delay, diloco.fragments). With a delay the
+# exchange runs behind the next `delay` inner steps; with F fragments a round makes F exchanges of ~1/F of the
+# bytes, each behind `delay` (< H / F) inner steps. The second full set runs 2 peers, one compute-bound process
+# per core, to tell what the link costs from what 4 compute-bound peers on 2 cores cost each other.
 FULL = [dict(peers=4, links=[None, "100mbit", "20mbit"],
              points=[(10, "none", 0, 1), (10, "int8", 0, 1), (50, "none", 0, 1), (10, "int8", 8, 1),
                      (50, "none", 25, 1), (10, "int8", 4, 2), (50, "none", 20, 2)]),
