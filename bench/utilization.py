@@ -120,7 +120,9 @@ def rate_bits(link: str) -> float:
 def run(quick: bool) -> dict:
     ok, why = netns_available()
     note = "" if ok else f"\n\nNetwork namespaces are not available here ({why}): loopback only."
-    runs, rows, mm = [], [], {}
+    runs, rows = [], []
+    blocking_comm: dict[tuple, float] = {}  # (peers, H, codec) -> comm s per round, loopback, blocking
+    last_exchange: dict[tuple, float] = {}  # (peers, H, codec, delay, F) -> s per exchange, loopback, last peer
     sets = [(spec["peers"], link, point) for spec in (QUICK if quick else FULL)
             for link in (spec["links"] if ok else [None]) for point in spec["points"]]
     with tempfile.TemporaryDirectory(prefix="bench-util-") as tmp:
@@ -142,16 +144,16 @@ def run(quick: bool) -> dict:
             sent = statistics.mean(p["bytes_sent_per_round"] for p in peers)
             records = [p["rounds"] for p in result["peers"] if p["rounds"]]
             if link is None and not delay and fragments == 1:
-                mm[(n, h, comp)] = comm
+                blocking_comm[(n, h, comp)] = comm
             if link is None:  # the exchange itself: the last peer to start it waits for nobody
                 last = [min(r[k]["comm_s"] for r in records) for k in range(min(map(len, records)))]
-                mm[(n, h, comp, delay, fragments)] = statistics.mean(last) / fragments
-            t_mm = mm.get((n, h, comp), 0.0)  # per exchange
+                last_exchange[(n, h, comp, delay, fragments)] = statistics.mean(last) / fragments
+            t_mm = blocking_comm.get((n, h, comp), 0.0)  # per exchange
             t_ar = 0.0 if link is None else sent / fragments * 8 / rate_bits(link)  # per exchange
             t_other = statistics.mean(p["overhead_s_per_round"] for p in peers)
             predicted = round_model(h, t_step, t_mm + t_ar, delay, cfg.diloco.rounds, fragments, t_other)
             steady_model = round_model(h, t_step, t_mm + t_ar, delay, fragments=fragments, t_other=t_other)
-            t_exchange = mm.get((n, h, comp, delay, fragments), 0.0) + t_ar
+            t_exchange = last_exchange.get((n, h, comp, delay, fragments), 0.0) + t_ar
             replay = statistics.mean(replayed([[r["compute_s"] for r in rs] for rs in records], h, t_exchange,
                                               delay, fragments, t_other))
             utils = [p["utilization"] for p in peers]

@@ -41,6 +41,15 @@ def test_two_ranks_train_like_one_process_and_a_killed_peer_resumes_exactly(tmp_
     assert b["eval_loss"] == pytest.approx(a["eval_loss"], abs=1e-5)
     assert rank_hashes(tmp_path / "two") == [b["final_global_sha256"]] * 2
 
+    # overlap on: rank 0's exchange runs behind both ranks' next inner steps; both take its outcome at the settle.
+    # Alone, the average is the peer's own pseudo-gradient, so the local model resumed from the very outer step
+    # that lands: the delayed run trains exactly as the blocking one.
+    two_d = solo(tmp_path / "two-d", 2, "--diloco.delay", "2")
+    assert two_d.returncode == 0, two_d.stderr[-3000:]
+    (b_d,) = summary(tmp_path / "two-d")["peers"]
+    assert b_d["train_loss"] == pytest.approx(a["train_loss"], abs=1e-5)
+    assert rank_hashes(tmp_path / "two-d") == [b_d["final_global_sha256"]] * 2
+
     # overlap on, streaming: two exchanges a round, each running in rank 0's background thread behind the next
     # inner step of both ranks, which take its outcome where it lands (the first mid-round)
     streams = [solo(tmp_path / f"f2-{n}", n, "--diloco.fragments", "2", "--diloco.delay", "1") for n in (1, 2)]
