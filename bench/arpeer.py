@@ -45,7 +45,7 @@ def run_swarm(job: dict) -> list[dict]:
     fingerprint = f"bench-{job['compression']}"
     dht = start_dht(cfg, fingerprint=fingerprint)
     averager = SwarmAverager(cfg, dht, fingerprint, job["name"])
-    timings, run = [], averager._allreduce.run
+    timings, run = [], averager.allreduce.run
 
     async def timed(*args):
         start = time.perf_counter()
@@ -54,7 +54,7 @@ def run_swarm(job: dict) -> list[dict]:
         finally:
             timings.append(time.perf_counter() - start)
 
-    averager._allreduce.run = timed
+    averager.allreduce.run = timed
     out = []
     try:
         for k, numel in enumerate(job["sizes"]):

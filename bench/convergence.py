@@ -67,7 +67,9 @@ def diloco_swarm(steps: int, h: int, olr: float, tmp: Path) -> dict:
     and a leader waits up to 60 s for the whole group (on 2 shared cores a peer can fall more than the default
     5 s behind)."""
     cfg = tiny_config(steps, h, olr, swarm={"run_id": f"bench-conv-{int(time.time())}", "progress_interval": 1e6,
-                                            "progress_expiration": 1e7, "matchmaking_time": 60.0})
+                                            "progress_expiration": 1e7, "matchmaking_time": 60.0,
+                                            # the sim's sample-weighted mean (the defaults bound influence)
+                                            "max_weight_share": 1.0, "clip_norm_ratio": 0.0, "aggregation": "mean"})
     out = tmp / f"swarm-h{h}-olr{olr}"
     path = write_config(cfg, tmp / "swarm.yaml")
     start = time.perf_counter()

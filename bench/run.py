@@ -23,13 +23,17 @@ from pathlib import Path
 
 from bench.common import results_dir, stamp
 
-MODULES = ["convergence", "traffic", "utilization", "overhead", "allreduce", "scale", "compression", "hostile"]
+MODULES = ["convergence", "traffic", "utilization", "overhead", "allreduce", "scale", "compression", "hostile", "data",
+           "churn", "shards"]
 TITLES = {"convergence": "1. Convergence (DiLoCo Table 2 shape)", "traffic": "2. Traffic per round",
           "utilization": "3. Compute utilization of a real swarm",
           "overhead": "4. Overhead: swarm peer --solo vs plain PyTorch",
           "allreduce": "5. All-reduce time", "scale": "6. The round at real model sizes (85M parameters)",
           "compression": "Compression codecs (bench/compression.py)",
-          "hostile": "7. Hostile peers: one attacker in a local swarm of 4"}
+          "hostile": "7. Hostile peers: one attacker in a local swarm of 4",
+          "data": "8. Prepared corpora: prepare, a peer's memory and start-up, the loader",
+          "churn": "9. Churn soak: peers killed -9 and restarted, newcomers, and where the finishers end",
+          "shards": "10. Sharded peers (inner.parallel fsdp): peak memory per rank"}
 
 
 def call(name: str, quick: bool) -> dict:

@@ -117,7 +117,7 @@ def run_swarm(cfg: Config, n_peers: int, out: Path, rate: Optional[str] = None, 
         try:
             start = time.time()
             boot_log = out / "bootstrap.log"
-            boot = spawn(["-m", "swarm.cli", "bootstrap", "--host-maddrs", f"/ip4/{host(0)}/tcp/0"], boot_log,
+            boot = spawn(["-m", "swarm.cli", "bootstrap", "--swarm.host_maddrs", f"/ip4/{host(0)}/tcp/0"], boot_log,
                          prefix(0))
             procs.append(boot)
             maddr = wait_for_line(boot_log, rf"/ip4/{host(0)}/tcp/\d+/p2p/\w+", boot)

@@ -1,11 +1,12 @@
 """`swarm join RUN`: a peer started from the run's manifest; `swarm runs`: the runs a DHT advertises.
 
 `swarm join` takes no config file. It checks the overrides first (only `config.PER_PEER_KEYS` may be
-overridden: anything else would make this peer run another run, exit 2 naming the key), reads and checks
+overridden: anything else would make this peer run another run, exit 2 naming the key and listing those it
+takes), reads and checks
 the run's manifest through a short-lived client DHT (swarm/net/manifest.py; waits at most
 `swarm.bootstrap_timeout`, exit 1 naming the run and the DHT asked if no manifest answers, or why the one
 found is refused), then starts a peer exactly like `swarm peer` (peers/node.py) on the manifest's config with
-the overrides applied (with `--nproc-per-node K`: `swarm peer` under torchrun, on that config written to
+the overrides applied (with `--nproc-per-node K`: `swarm peer` on K ranks, on that config written to
 `<out>/config.yaml`).
 """
 
@@ -25,13 +26,14 @@ from typing import Any, Optional
 import yaml
 from hivemind.utils.timed_storage import get_dht_time
 
-from swarm.config import Config, SwarmConfig, is_per_peer, live_window
+from swarm.config import Config, SwarmConfig, is_per_peer, live_window, per_peer_keys
 from swarm.configfile import config_from_dict, load_config, parse_overrides
 from swarm.errors import SwarmError, UsageError
 from swarm.net import policy, schema
 from swarm.net.dht import run_fingerprint
 from swarm.net.manifest import ManifestRefused, choose_manifest, fetch_manifest
 from swarm.net.schema import CommitRecord, IndexRecord, ManifestRecord, ProgressRecord, RunRecord
+from swarm.runid import RunIdentity
 
 log = logging.getLogger("swarm.join")
 
@@ -59,20 +61,28 @@ def _merge(into: dict, other: dict) -> dict:
     return into
 
 
+DEMANDS = frozenset({"swarm.identity_work"})
+"""Keys `swarm join` takes although the run fixes them: what the joiner demands while it reads the manifest
+(`swarm.identity_work`: count only the manifests of signers with that much proof of work, so that free
+identities cannot outvote the run's peers), never merged over the manifest's config."""
+
+
 def check_overrides(run_id: str, overrides: list[str]) -> dict[str, Any]:
-    """The overrides as nested dicts; UsageError (exit 2) naming the first one that is not a per-peer key."""
+    """The overrides as nested dicts; UsageError (exit 2) naming the first one that is not a per-peer key
+    (or one of DEMANDS)."""
     if any(arg == "--config" or arg.startswith("--config=") for arg in overrides):
         raise UsageError(f"swarm join takes no --config: the config of run {run_id!r} comes from its manifest")
     parsed = parse_overrides(overrides)
     for key in _leaves(parsed):
-        if not is_per_peer(key):
+        if not is_per_peer(key) and key not in DEMANDS:
             raise UsageError(f"cannot override {key} when joining run {run_id!r}: it is fixed by the run's "
-                             f"manifest (only per-peer keys may be: config.PER_PEER_KEYS)")
+                             f"manifest (a joiner may set only {', '.join(per_peer_keys())})")
     return parsed
 
 
-def joined_config(run_id: str, initial_peers: list[str], overrides: list[str]) -> Config:
-    """The config `swarm join` starts its peer with: the run's manifest plus this peer's overrides."""
+def joined_config(run_id: str, initial_peers: list[str], overrides: list[str]) -> tuple[Config, RunIdentity]:
+    """The config `swarm join` starts its peer with (the run's manifest plus this peer's overrides), and the
+    run's identity as its manifest gives it."""
     from swarm.net.dht import start_dht
 
     parsed = check_overrides(run_id, overrides)
@@ -83,16 +93,17 @@ def joined_config(run_id: str, initial_peers: list[str], overrides: list[str]) -
                                 host_maddrs=[re.sub(r"/(tcp|udp)/\d+", r"/\1/0", m) for m in own.host_maddrs])
     dht = start_dht(probe)
     try:
-        choice = fetch_manifest(dht, run_id, probe.initial_peers, probe.bootstrap_timeout)
+        choice = fetch_manifest(dht, run_id, probe.initial_peers, probe.bootstrap_timeout, own.identity_work)
     finally:
         dht.shutdown()
+    parsed["swarm"].pop("identity_work", None)  # a demand on the signers, not this peer's config: the run's holds
     log.info("run %r: manifest of fingerprint %s, created by %s, signed by %d peer(s)", run_id,
              choice.record.fingerprint, choice.record.creator, len(choice.signers))
-    return config_from_dict(_merge(json.loads(json.dumps(choice.shared)), parsed))
+    return config_from_dict(_merge(json.loads(json.dumps(choice.shared)), parsed)), choice.run
 
 
 def write_config(cfg: Config, path: Path) -> Path:
-    """`cfg` as a YAML config file (`swarm join --nproc-per-node K` hands it to `swarm peer` under torchrun)."""
+    """`cfg` as a YAML config file (`swarm join --nproc-per-node K` hands it to `swarm peer` on K ranks)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     return path

@@ -1,11 +1,14 @@
 """`swarm local`: a bootstrap and N training peers as separate processes on 127.0.0.1.
 
-Each child runs in its own process group (so a Ctrl-C reaches only this launcher, which then stops
-every child: SIGTERM, a grace period, then SIGKILL to the whole group, hivemind's DHT process and p2pd
-daemon included). Peers write `peer-i/status.json`, which this launcher renders as one live line per
-peer, and `peer-i/peer.json`, which it merges into `summary.json` and `loss.png`. A monitor
-(swarm/monitor/, a DHT client) runs in this launcher's process, shows its kills and joins among the
-events, and stops with the swarm.
+Children are forked from one server process that imported torch and hivemind once (peers/forkserver.py), so N peers
+start in about the time one does. Each child runs in its own process group (so a Ctrl-C reaches only this launcher,
+which then stops every child: SIGTERM, a grace period, then SIGKILL to the whole group, hivemind's DHT process and
+p2pd daemon included). SIGTERM and SIGHUP stop the launcher the same way, and it still writes the summary of what
+its peers did. Nothing outlives the launcher even if it is killed -9: the fork server gets a SIGTERM from the
+kernel when the launcher dies and each child one when the server does (PR_SET_PDEATHSIG); a peer shuts its DHT down
+on it. Peers write `peer-i/status.json`, which this launcher renders as one live line per peer, and
+`peer-i/peer.json`, which it merges into `summary.json` and `loss.png`. A monitor (swarm/monitor/, a DHT client)
+runs in this launcher's process, shows its kills and joins among the events, and stops with the swarm.
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Optional
+from typing import Optional
 
+from peers.forkserver import Forked, ForkServer
 from swarm.config import Config
-from swarm.errors import SwarmError, UsageError
+from swarm.errors import SwarmError, UsageError, stop_on
 from swarm.net.attacks import ATTACKS
 from swarm.report import format_table, write_summary
 
@@ -34,18 +38,17 @@ STOP_GRACE_S = 15.0  # a peer asked to stop gets this long to shut down its DHT 
 @dataclass
 class Child:
     name: str
-    proc: subprocess.Popen
+    proc: Forked
     out_dir: Optional[Path]
-    log: IO
 
 
-def spawn_child(name: str, argv: list[str], log_path: Path, out_dir: Optional[Path] = None) -> Child:
+def spawn_child(server: ForkServer, name: str, argv: list[str], log_path: Path,
+                out_dir: Optional[Path] = None) -> Child:
+    """`swarm <argv>` forked by `server`, in a session of its own, logging to `log_path`; it gets SIGTERM when
+    this launcher dies (peers/forkserver.py)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "w")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "swarm.cli", *argv], stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-    return Child(name, proc, out_dir, log)
+    log_path.touch()  # readers may look before the child opens it
+    return Child(name, server.spawn(argv, log_path, env={**os.environ, "PYTHONUNBUFFERED": "1"}), out_dir)
 
 
 def stop_children(children: list[Child]) -> None:
@@ -65,7 +68,6 @@ def stop_children(children: list[Child]) -> None:
         except ProcessLookupError:
             pass
         child.proc.wait()
-        child.log.close()
 
 
 def bootstrap_maddr(child: Child, log_path: Path) -> str:
@@ -116,6 +118,24 @@ class Kill:
         return cls(int(match[1]), int(match[2]), match[3] or "inner")
 
 
+RANKS = re.compile(r"([0-9]+)(?::(ddp|fsdp))?")
+
+
+def parse_ranks(spec: str, n_peers: int) -> list[tuple[int, Optional[str]]]:
+    """`--nproc-per-node K` (every peer) or `K[:ddp|fsdp],...` (one entry per peer: its ranks and its
+    inner.parallel, None: the config's) -> [(K, parallel)] for peers 0..n_peers-1 (with `swarm local`, those that
+    `--join` later count too, in the order they join); UsageError naming what does not parse."""
+    entries = spec.split(",")
+    parsed = [RANKS.fullmatch(e.strip()) for e in entries]
+    for entry, match in zip(entries, parsed):
+        if match is None or int(match.group(1)) < 1:
+            raise UsageError(f"--nproc-per-node {spec}: {entry!r} is not K, K:ddp or K:fsdp (K >= 1)")
+    if len(parsed) not in (1, n_peers):
+        raise UsageError(f"--nproc-per-node {spec}: {len(parsed)} entries for {n_peers} peers (one, or one per peer)")
+    plan = [(int(m.group(1)), m.group(2)) for m in parsed]
+    return plan * n_peers if len(plan) == 1 else plan
+
+
 def parse_hostile(texts: list[str], n_peers: int) -> dict[int, list[str]]:
     """`--hostile KIND@PEER` (repeatable) -> {peer: [kinds]}; UsageError naming what does not parse."""
     plan: dict[int, list[str]] = {}
@@ -145,20 +165,36 @@ def start_monitor(cfg: Config, maddr: str, port: Optional[int]):
         return Monitor.start(swarm_cfg, "127.0.0.1", 0)
 
 
-def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int, out_dir: Path,
-              kills: list[str] = (), joins: list[int] = (), nproc: int = 1, hostile: list[str] = (),
-              monitor: bool = True, monitor_port: Optional[int] = None) -> Path:
+def check_plan(cfg: Config, n_peers: int, kills: list[str] = (), joins: list[int] = (), hostile: list[str] = (),
+               monitor_port: Optional[int] = None) -> tuple[dict[int, list[str]], dict[int, Kill], list[int]]:
+    """The attackers, kills and joins `swarm local` was asked for; UsageError naming the first that does not fit
+    (and SwarmError if `monitor_port`, the monitor's port asked for, is in use)."""
     if n_peers < 1:
         raise UsageError(f"--peers must be >= 1, got {n_peers}")
+    if n_peers + len(joins) > cfg.data.num_shards:  # each peer of `swarm local` trains on a shard of its own
+        raise UsageError(f"--peers {n_peers}{f' and {len(joins)} --join' if joins else ''} need a data shard each: "
+                         f"data.num_shards is {cfg.data.num_shards}")
     attackers = parse_hostile(list(hostile), n_peers)
     kill_plan = {k.peer: k for k in map(Kill.parse, kills)}
     for k in kill_plan.values():
         if not (0 <= k.peer < n_peers and 1 <= k.round <= cfg.diloco.rounds):
             raise UsageError(f"--kill {k.peer}@{k.round}: no peer {k.peer} or round {k.round} in this swarm")
-    pending_joins = sorted(joins)
-    for round_ in pending_joins:
+    for round_ in joins:
         if not 1 <= round_ <= cfg.diloco.rounds:
             raise UsageError(f"--join {round_}: this swarm has rounds 1..{cfg.diloco.rounds}")
+    if monitor_port is not None:
+        from swarm.monitor.server import check_port
+
+        check_port("127.0.0.1", monitor_port)  # before any process starts
+    return attackers, kill_plan, sorted(joins)
+
+
+def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int, out_dir: Path,
+              kills: list[str] = (), joins: list[int] = (), nproc: int | str = 1, hostile: list[str] = (),
+              monitor: bool = True, monitor_port: Optional[int] = None, log_level: str = "info") -> Path:
+    attackers, kill_plan, pending_joins = check_plan(cfg, n_peers, kills, joins, hostile,
+                                                     monitor_port if monitor else None)
+    ranks = parse_ranks(str(nproc), n_peers + len(pending_joins))  # per peer: (processes, inner.parallel or None)
     start = time.time()
     out_dir.mkdir(parents=True, exist_ok=True)
     children: list[Child] = []
@@ -174,9 +210,14 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int,
             watch.view.add_event(time.time(), kind, fields.get("peer", ""),
                                  ", ".join(f"{k} {v}" for k, v in fields.items() if k != "peer"))
 
+    failed: list[Child] = []
+    interrupted: Optional[KeyboardInterrupt] = None
+    restore_signals = stop_on(signal.SIGTERM, signal.SIGHUP)  # like Ctrl-C: stop the children, sum up
+    server = ForkServer()  # one process imports torch and hivemind; every child is forked from it
     try:
         boot_log = out_dir / "bootstrap.log"
-        boot = spawn_child("bootstrap", ["bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], boot_log)
+        boot = spawn_child(server, "bootstrap", ["bootstrap", "--swarm.host_maddrs", "/ip4/127.0.0.1/tcp/0"],
+                           boot_log)
         children.append(boot)
         maddr = bootstrap_maddr(boot, boot_log)
         print(f"bootstrap at {maddr}", flush=True)
@@ -187,11 +228,14 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int,
         # forms as soon as every live peer is ready instead of waiting out the matchmaking time.
         common = ["peer", "--config", config_path, *overrides, "--initial-peers", maddr,
                   "--swarm.target_group_size", str(max(n_peers + len(pending_joins), 2)),
-                  "--diloco.threads", "1", "--logging.progress_bar", "false", "--nproc-per-node", str(nproc)]
+                  "--diloco.threads", "1", "--logging.progress_bar", "false",
+                  "--swarm.host_maddrs", "/ip4/127.0.0.1/tcp/0", "--log-level", log_level]
 
         def start_peer(i: int, *extra: str) -> Child:
             peer_dir = out_dir / f"peer-{i}"
-            child = spawn_child(f"peer-{i}", [*common, *extra, "--name", f"peer-{i}", "--out", str(peer_dir),
+            k, parallel = ranks[i]
+            extra = ("--nproc-per-node", str(k), *(["--inner.parallel", parallel] if parallel else []), *extra)
+            child = spawn_child(server, f"peer-{i}", [*common, *extra, "--name", f"peer-{i}", "--out", str(peer_dir),
                                               "--data.shard", str(i)], peer_dir / "log.txt", peer_dir)
             children.append(child)
             peers.append(child)
@@ -227,8 +271,9 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int,
                 if p.proc.poll() is not None and p.name not in seen_dead:
                     seen_dead.add(p.name)
                     k = kill_plan.get(int(p.name.split("-")[1]))
-                    # a killed rank of a multi-process peer ends its torchrun with status 1
-                    if k is not None and p.proc.returncode in (-signal.SIGKILL, 1 if nproc > 1 else -signal.SIGKILL):
+                    # a killed rank of a multi-process peer ends its launcher with status 1
+                    several = ranks[int(p.name.split("-")[1])][0] > 1
+                    if k is not None and p.proc.returncode in (-signal.SIGKILL, 1 if several else -signal.SIGKILL):
                         event("kill", peer=p.name, round=k.round, phase=k.phase)
             line = _status_line(peers, cfg.diloco.rounds, cfg.diloco.inner_steps, held)
             if interactive:
@@ -251,8 +296,13 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int,
             print(f"{p.name} exited with status {p.proc.returncode}: {tail[0] if tail else ''}", flush=True)
         if watch is not None and watch.error is not None:
             print(f"the monitor stopped reading the DHT: {watch.error}", flush=True)
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM or SIGHUP: stop every child, then sum up what they did
+        interrupted = e
+        print(f"\nstopping {len(children)} processes ({e})", flush=True)
     finally:
         stop_children(children)
+        server.close()
+        restore_signals()
         if watch is not None:
             watch.close()
 
@@ -265,6 +315,8 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int,
             summaries.append(summary)
             events += [{**e, "peer": p.name} for e in summary.get("events", [])]
     if not summaries:
+        if interrupted is not None:
+            raise interrupted
         raise SwarmError(f"no peer finished; see the logs in {out_dir}")
     events.sort(key=lambda e: e["time"])
     path = write_summary(out_dir, cfg.swarm.run_id, f"local x{n_peers}", cfg.to_dict(), time.time() - start,
@@ -274,6 +326,9 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int,
     hashes = {s["final_global_sha256"] for s in honest}
     print(f"final global parameters: {'identical on every' if len(hashes) == 1 else 'DIFFER across'} "
           f"{'honest ' if attackers else ''}peer ({len(honest)} peers, wall {time.time() - start:.0f}s)")
+    if interrupted is not None:
+        print(f"summary of the interrupted run in {path}", flush=True)
+        raise interrupted
     if failed:
         raise SwarmError(f"{len(failed)} of {len(peers)} peers failed ({', '.join(p.name for p in failed)}); "
                          f"summary in {path}")

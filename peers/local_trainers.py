@@ -8,18 +8,18 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm
 
 from swarm.averaging import SimAverager, SoloAverager
 from swarm.config import Config
+from swarm.errors import UsageError
+from swarm.progress import Progress
 from swarm.ranks import Ranks
 from swarm.report import format_table, peer_summary, write_summary
 from swarm.trainer import Trainer
 
 
 def run_solo(cfg: Config, out_dir: Path) -> Path:
-    """Train one peer without network; write summary.json and loss.png into `out_dir`. Under torchrun, the
+    """Train one peer without network; write summary.json and loss.png into `out_dir`. On several ranks, the
     peer's ranks train it together (swarm/ranks.py) and rank 0 writes the summary."""
     from peers.node import write_rank
 
@@ -32,15 +32,11 @@ def run_solo(cfg: Config, out_dir: Path) -> Path:
         shard = cfg.data.shard if cfg.data.shard is not None else 0
         averager = ranks.averager(SoloAverager() if ranks.endpoint else None, networked=False)
         trainer = Trainer(cfg, averager, peer_id="solo", shard=shard, out_dir=out_dir, ranks=ranks)
-        total = cfg.diloco.rounds * cfg.diloco.inner_steps
-        with logging_redirect_tqdm(), tqdm(total=total, initial=0, desc="solo", unit="step",
-                                           disable=not (cfg.logging.progress_bar and ranks.endpoint)) as bar:
-            def progress(round_: int, step: int, loss: float) -> None:
-                bar.n = trainer.step
-                bar.set_postfix(round=round_ + 1, loss=f"{loss:.3f}", refresh=False)
-                bar.refresh()
-
-            history = trainer.train(progress)
+        shown = Progress(cfg, "solo", live=None if ranks.endpoint else False)
+        try:
+            history = trainer.train(lambda round_, step, loss: shown.step(round_, step, loss, trainer.step))
+        finally:
+            shown.close()
         write_rank(out_dir, ranks, trainer)
         ranks.drain()
     finally:
@@ -67,6 +63,8 @@ def simulate(cfg: Config, replicas: int, out_dir: Path) -> list[Trainer]:
     """Train M replicas (shards 0..M-1) in M threads with the same loop as a real peer; return them."""
     if cfg.diloco.threads:
         torch.set_num_threads(cfg.diloco.threads)
+    if replicas > cfg.data.num_shards:
+        raise UsageError(f"--replicas {replicas} needs a data shard each: data.num_shards is {cfg.data.num_shards}")
     sim = SimAverager(replicas)
     trainers = []
     for i in range(replicas):

@@ -4,13 +4,18 @@ After it signed the run's fingerprint and built its model it stores, where the r
 run's manifest and its entry in the run index (swarm/net/manifest.py: what `swarm join` and `swarm runs`
 read). Besides training it writes, into its run folder, `status.json` (round, inner step, loss; refreshed
 about once a second, for `swarm local`'s live view), `peer.json` (this peer's summary entry) and
-`summary.json`. SIGTERM and SIGINT end it cleanly (exit 143 and 130): the DHT and averager shut down, the
-last committed round's checkpoint is finished on disk, and `peer.json` and `summary.json` say where it stopped.
+`summary.json`; log.txt and metrics.csv come from swarm/logs.py and swarm/metrics.py. Its log says, one line
+each, that it joined (or started) the run and on which TCP port it listens, each group formed, each round
+committed with its hash, each state taken and from whom, and that it left; a warning if nobody outside its
+network can dial it (swarm/net/addresses.py). While it trains it shows its progress (swarm/progress.py).
+Without `data.shard` it leases a data shard through the DHT (swarm/net/leases.py, swarm/data_leases.py): disjoint
+from the live peers' while there are free shards, its own again after a restart under the same name.
+SIGTERM and SIGINT end it cleanly (exit 143 and 130): the DHT and averager shut down, the last committed
+round's checkpoint is finished on disk, and `peer.json` and `summary.json` say where it stopped.
 
-Under torchrun (`--nproc-per-node K`) each of the peer's K ranks runs `run_peer`; rank 0 is the endpoint
-above, the others train alongside it (swarm/ranks.py) and each writes `ranks/rank-<k>.json` with the round
-and global-parameter hash it ended on.
-"""
+With `--nproc-per-node K` (peers/launch.py, or under torchrun) each of the peer's K ranks runs `run_peer`; rank 0
+is the endpoint above, the others train alongside it (swarm/ranks.py) and each writes `ranks/rank-<k>.json` with
+the round and global-parameter hash it ended on."""
 
 from __future__ import annotations
 
@@ -26,10 +31,9 @@ from typing import Optional
 import torch
 
 from swarm.config import Config, FaultsConfig
-from swarm.data import shard_index
-from swarm.errors import Stopped
+from swarm.errors import stop_on
 from swarm.ranks import Ranks
-from swarm.report import peer_summary, write_json, write_summary
+from swarm.report import peak_rss_bytes, peer_summary, write_json, write_summary
 from swarm.trainer import Trainer
 
 log = logging.getLogger("swarm.peer")
@@ -48,16 +52,9 @@ class StatusFile:
             self.last = now
 
 
-def _terminate_on_sigterm() -> None:
-    def handler(signum, frame):
-        raise Stopped(signum)
-
-    signal.signal(signal.SIGTERM, handler)
-
-
 def run_peer(cfg: Config, out_dir: Path, name: Optional[str]) -> Path:
     ranks = Ranks.from_env()
-    _terminate_on_sigterm()
+    stop_on(signal.SIGTERM)
     if cfg.diloco.threads:
         torch.set_num_threads(cfg.diloco.threads)
     ranks.init(cfg)
@@ -65,8 +62,8 @@ def run_peer(cfg: Config, out_dir: Path, name: Optional[str]) -> Path:
         if ranks.endpoint:
             return _run_endpoint(cfg, out_dir, name, ranks)
         name, peer_id = ranks.share(None)
-        trainer = Trainer(cfg, ranks.averager(None, networked=True), peer_id=peer_id,
-                          shard=shard_index(cfg.data, cfg.swarm.run_id, name), out_dir=out_dir, ranks=ranks)
+        trainer = Trainer(cfg, ranks.averager(None, networked=True), peer_id=peer_id, shard=cfg.data.shard,
+                          out_dir=out_dir, ranks=ranks, name=name)
         trainer.train()
         write_rank(out_dir, ranks, trainer)
         ranks.drain()
@@ -95,52 +92,70 @@ def write_rank(out_dir: Path, ranks: Ranks, trainer: Trainer) -> None:
     if ranks.distributed:
         (out_dir / "ranks").mkdir(parents=True, exist_ok=True)
         write_json(out_dir / "ranks" / f"rank-{ranks.rank}.json", {
-            "rank": ranks.rank, "round": trainer.diloco.round, "global_sha256": trainer.diloco.global_sha256()})
+            "rank": ranks.rank, "round": trainer.diloco.round, "global_sha256": trainer.diloco.global_sha256(),
+            "peak_rss_bytes": peak_rss_bytes()})
 
 
 def _run_endpoint(cfg: Config, out_dir: Path, name: Optional[str], ranks: Ranks) -> Path:
     from swarm.model import count_parameters
+    from swarm.net.addresses import tcp_port, unreachable_warning
     from swarm.net.dht import start_dht, visible_maddrs
-    from swarm.net.identity import load_identity
+    from swarm.net.identity import load_identity, with_work
+    from swarm.net.limits import raise_open_files
     from swarm.net.manifest import publish as publish_manifest
     from swarm.net.peer import SwarmAverager
+    from swarm.progress import Progress
+    from swarm.runid import run_identity
 
     start = time.time()
+    raise_open_files()  # every incoming stream is a file descriptor (swarm/net/limits.py)
     name = name or f"{socket.gethostname()}-{os.getpid()}"
     out_dir.mkdir(parents=True, exist_ok=True)
     status = StatusFile(out_dir / "status.json")
     status.update(force=True, name=name, state="starting", round=0, step=0, loss=None)
 
-    fingerprint = cfg.fingerprint()
-    identity = load_identity(cfg.swarm.identity)
-    dht = start_dht(cfg.swarm, identity, fingerprint=fingerprint)
-    averager = None
+    run = run_identity(cfg)  # prepares the corpus if it is not yet: its hash is part of the run
+    identity = with_work(load_identity(cfg.swarm.identity), cfg.swarm.identity_work)
+    dht = start_dht(cfg.swarm, identity, run=run)
+    averager, trainer = None, None
     try:
         maddrs = visible_maddrs(dht)
         peer_id = dht.peer_id.to_base58()
+        port = tcp_port(maddrs)
         if cfg.swarm.initial_peers:
-            log.info("peer %s (%s) joined run %r", name, peer_id, cfg.swarm.run_id)
+            log.info("peer %s (%s) joined run %r (fingerprint %s), listening on TCP port %s", name, peer_id,
+                     cfg.swarm.run_id, run.fingerprint, port)
         else:
-            log.info("started a new swarm for run %r; others join with: --initial-peers %s",
-                     cfg.swarm.run_id, " ".join(maddrs))
+            log.info("started a new swarm for run %r (fingerprint %s), listening on TCP port %s (open it to let "
+                     "peers in); others join with: --initial-peers %s", cfg.swarm.run_id, run.fingerprint, port,
+                     " ".join(maddrs))
+        if warning := unreachable_warning(maddrs, cfg.swarm.client_mode):
+            log.warning("%s", warning)
         print("\n".join(maddrs), flush=True)
-        averager = SwarmAverager(cfg.swarm, dht, identity, fingerprint, name, exchange_faults(cfg))
+        averager = SwarmAverager(cfg.swarm, dht, identity, run.fingerprint, name, exchange_faults(cfg))
         ranks.share((name, peer_id))
-        shard = shard_index(cfg.data, cfg.swarm.run_id, name)
+        leases = None  # data.shard unset: the shard is leased through the DHT (swarm/net/leases.py)
+        if cfg.data.shard is None:
+            from swarm.net.leases import ShardLeases
+
+            leases = ShardLeases(cfg, dht, identity, name)
 
         def on_round(record) -> None:
             status.update(force=True, name=name, peer_id=peer_id, state="training", round=record.round,
                           step=0, loss=record.train_loss, eval_loss=record.eval_loss, committed=record.committed)
 
         trainer = Trainer(cfg, ranks.averager(averager, networked=True),
-                          peer_id=peer_id, shard=shard, out_dir=out_dir, on_round=on_round, ranks=ranks)
+                          peer_id=peer_id, shard=cfg.data.shard, out_dir=out_dir, on_round=on_round, ranks=ranks,
+                          name=name, leases=leases)
 
         # Before train(): the heartbeat stores nothing until the trainer's first progress, so this thread has
         # the DHT's pipe to itself.
-        publish_manifest(dht, cfg, identity, count_parameters(trainer.model))
+        publish_manifest(dht, cfg, run, identity, count_parameters(trainer.model))
+        shown = Progress(cfg, name)
 
         def progress(round_: int, step: int, loss: float) -> None:
             status.update(name=name, peer_id=peer_id, state="training", round=round_, step=step, loss=loss)
+            shown.step(round_, step, loss, trainer.step)
 
         try:
             trainer.train(progress)
@@ -152,6 +167,7 @@ def _run_endpoint(cfg: Config, out_dir: Path, name: Optional[str], ranks: Ranks)
             status.update(force=True, name=name, peer_id=peer_id, state="done", round=trainer.diloco.round, step=0,
                           loss=None)
         finally:  # finished, stopped or failed: say where this peer got to
+            shown.close()
             trainer.history.events += averager.access.events  # peers refused, banned or ignored, and why
             path = write_summary(out_dir, cfg.swarm.run_id, "peer", cfg.to_dict(), time.time() - start,
                                  [_peer_json(out_dir, trainer, name, ranks)])
@@ -160,3 +176,6 @@ def _run_endpoint(cfg: Config, out_dir: Path, name: Optional[str], ranks: Ranks)
         if averager is not None:
             averager.close()
         dht.shutdown()
+        if trainer is not None:
+            log.info("left run %r at round %d (global %s)", cfg.swarm.run_id, trainer.diloco.round,
+                     (trainer.diloco.known_sha256() or "not known")[:12])

@@ -7,7 +7,7 @@ network-free implementations.
 
 Every implementation returns the same `RoundOutcome`: either the weighted mean pseudo-gradient, written
 into the `out` buffers it was given and identical on every member of the group, or `averaged=None` with
-the reason the round was discarded.
+the reason the exchange was discarded. The words (round, outer step, exchange, ...): swarm/__init__.py.
 """
 
 from __future__ import annotations
@@ -27,16 +27,16 @@ from swarm.state import TensorSpec
 
 @dataclass
 class RoundOutcome:
-    averaged: Optional[Sequence[torch.Tensor]]  # weighted mean pseudo-gradient (fp32); None: round discarded
+    averaged: Optional[Sequence[torch.Tensor]]  # weighted mean pseudo-gradient (fp32); None: exchange discarded
     group_size: int = 1
     total_samples: int = 0
     bytes_sent: int = 0  # payload on the wire until average() returned: a groupmate that fetches our
     bytes_received: int = 0  # part later (while we train on) is served but not counted
     comm_s: float = 0.0  # time in matchmaking and all-reduce
     allreduce_s: float = 0.0  # of which in the all-reduce that produced `averaged`
-    behind: bool = False  # the swarm has moved past this round (or holds other parameters): take its state
+    behind: bool = False  # the swarm has committed more outer steps (or holds other parameters): take its state
     donors: list[str] = field(default_factory=list)  # with `behind`: peer ids whose state to take
-    note: str = ""  # why the round was discarded, or who averaged
+    note: str = ""  # why the exchange was discarded, or who averaged
     # swarm.error_feedback with a lossy codec: what this peer's contribution lost to quantization on the
     # wire, shaped like it; the trainer adds it to the next round's pseudo-gradient. None: nothing was lost.
     residual: Optional[list[torch.Tensor]] = None
@@ -67,7 +67,7 @@ class Download:
 
 @dataclass
 class Snapshot:
-    """What a donor serves for its committed `round`: live tensors, read under the `DiLoCo.version` seqlock
+    """What a donor serves at `round` outer steps committed: live tensors, read under the `DiLoCo.version` seqlock
     (a read that sees the version move is abandoned: the donor committed again or is loading a state)."""
 
     round: int
@@ -81,9 +81,9 @@ class Snapshot:
 @dataclass
 class Intake:
     """How a trainer takes a downloaded state in: `destinations(specs)` gives the tensors to write each named
-    tensor into (ValueError if the state does not fit), `accept(meta, round)` applies the scalars once every byte
-    arrived and the global-parameter hash matched the one the swarm committed at `round` (the donor's count of
-    outer steps, as its commit records and the state's header say: not read from `meta`)."""
+    tensor into (ValueError if the state does not fit), `accept(meta, outer_steps)` applies the scalars once every
+    byte arrived and the global-parameter hash matched the one the swarm committed at that count of outer steps
+    (as the donor's commit records and the state's header say: not read from `meta`)."""
 
     destinations: Callable[[list[TensorSpec]], dict[str, torch.Tensor]]
     accept: Callable[[dict[str, Any], int], None]
@@ -95,34 +95,23 @@ class Averager(ABC):
     networked = False  # True where `fetch_state` can replace a lost or corrupt checkpoint
 
     @abstractmethod
-    def average(self, round: int, pseudo_grad: PseudoGradient, samples: int, out: Sequence[torch.Tensor],
+    def average(self, outer_step: int, pseudo_grad: PseudoGradient, samples: int, out: Sequence[torch.Tensor],
                 base: str = "") -> RoundOutcome:
-        """Average `pseudo_grad` (weighted by `samples`) with the peers of `round`, into `out`.
+        """Average `pseudo_grad` (weighted by `samples`) with the peers that committed `outer_step` outer steps,
+        into `out`.
 
         `base` is the hash of the global parameters the pseudo-gradient was taken from: only peers on the
         same base may average together (a step applied to different bases would never reconcile them).
-        With `diloco.fragments` F > 1 (no network: swarm/fragments.py) `round` is the exchange index
-        round * F + fragment and `pseudo_grad` covers that fragment's tensors only.
+        With `diloco.fragments` F > 1, `pseudo_grad` covers one fragment's tensors (swarm/fragments.py).
         """
 
-    def average_in_background(self, round: int, pseudo_grad: PseudoGradient, samples: int,
-                              out: Sequence[torch.Tensor], base: str = "") -> Optional[RoundOutcome]:
-        """What a delayed exchange (swarm/overlap.py) runs in its own thread, beside the inner steps: `average`
-        less any collective between the ranks of a multi-process peer, which `share_outcome` then runs in the
-        training thread (collectives from two threads on one process group would interleave)."""
-        return self.average(round, pseudo_grad, samples, out, base)
-
-    def share_outcome(self, outcome: Optional[RoundOutcome], out: Sequence[torch.Tensor]) -> RoundOutcome:
-        """The training thread's end of `average_in_background`: the outcome on every rank of this peer."""
-        return outcome
-
-    def publish_progress(self, round: int, inner_step: int, samples: int, samples_per_s: float,
+    def publish_progress(self, outer_step: int, inner_step: int, samples: int, samples_per_s: float,
                          ready: bool = False, sha256: str = "", stats: Optional[PeerStats] = None) -> None:
         """Tell the swarm how far this peer is; `ready`: its inner steps are done (no-op without a network).
         `stats`: what watchers see; None keeps the last ones given."""
 
-    def others_ready(self, round: int) -> bool:
-        """True when another live peer has finished its inner steps of `round` and waits to average.
+    def others_ready(self, outer_step: int) -> bool:
+        """True when another live peer at `outer_step` has finished its round's inner steps and waits to average.
 
         A slower peer then cuts its round short and contributes the steps it has (weighted by samples).
         """
@@ -131,17 +120,17 @@ class Averager(ABC):
     def offer_state(self, snapshot: Snapshot) -> None:
         """Serve `snapshot` to newcomers from now on (no-op without a network)."""
 
-    def fetch_state(self, intake: Intake, round: int, sha256: str, donors: Optional[list[str]] = None,
+    def fetch_state(self, intake: Intake, outer_step: int, sha256: str, donors: Optional[list[str]] = None,
                     must: bool = False) -> Optional[Download]:
-        """Take the swarm's state into `intake` if the swarm committed a later round than `round`, or holds
-        another hash than `sha256` at it (from `donors` if given), or whatever it holds with `must` (our own
+        """Take the swarm's state into `intake` if the swarm committed more outer steps than `outer_step`, or
+        holds another hash than `sha256` at it (from `donors` if given), or whatever it holds with `must` (our own
         model went bad). Returns what was taken, None if there was nothing to take; SwarmError if there
         was but no peer could give it: a peer never trains on from a state the swarm has left behind."""
         if must:
             raise SwarmError("there is no peer to take a state from (this peer runs without a swarm)")
         return None
 
-    def finish(self, round: int) -> None:
+    def finish(self, outer_step: int) -> None:
         """After this peer's last round: stay for peers that fell behind and need its state (no-op here)."""
 
     def close(self) -> None:
@@ -161,7 +150,7 @@ def weighted_mean(contributions: list[tuple[list[torch.Tensor], float]]) -> list
 
 
 class SoloAverager(Averager):
-    def average(self, round: int, pseudo_grad: PseudoGradient, samples: int, out: Sequence[torch.Tensor],
+    def average(self, outer_step: int, pseudo_grad: PseudoGradient, samples: int, out: Sequence[torch.Tensor],
                 base: str = "") -> RoundOutcome:
         for i, o in enumerate(out):
             o.copy_(pseudo_grad.read(i, 0, o.numel()).view(o.shape))
@@ -204,7 +193,7 @@ class _SimMember(Averager):
     def __init__(self, sim: SimAverager, index: int):
         self.sim, self.index = sim, index
 
-    def average(self, round: int, pseudo_grad: PseudoGradient, samples: int, out: Sequence[torch.Tensor],
+    def average(self, outer_step: int, pseudo_grad: PseudoGradient, samples: int, out: Sequence[torch.Tensor],
                 base: str = "") -> RoundOutcome:
         start = time.perf_counter()
         self.sim._inbox[self.index] = (pseudo_grad.tensors(), float(samples))

@@ -1,86 +1,97 @@
-"""Checkpoints at round boundaries: named tensors written raw, an index at the end, atomic and checksummed.
+"""Checkpoints at round boundaries: safetensors files of tensors named by their state_dict names, an index,
+atomic, checksummed; the last `checkpoint.keep` are kept.
 
-File layout (`checkpoint.pt`):
+A peer's checkpoint folder (`<peer folder>/checkpoint`, or `checkpoint.dir`):
 
-    [tensor bytes, each starting on a 64-byte boundary] [index: JSON] [index crc32: u32 LE]
-    [index length: u64 LE] [MAGIC: 8 bytes]
+    round-000012/            one complete checkpoint, renamed into place whole and never changed after
+        index.json           the format, the meta and every tensor: dtype, shape and pieces
+        inner.safetensors    the AdamW moments: `adam.<param>.exp_avg`, ...
+        global.safetensors   `global.<param>` (the committed global parameters), `momentum.<param>` (outer
+                             momentum), this peer's `error_feedback.<param>` and `rng`
+    round-000011/            older ones, while `checkpoint.keep` allows
+    .partial-<pid>/          one being written (removed by the next writer if its process died)
 
-The index is `{"meta": {...}, "tensors": [[name, dtype, shape, offset, nbytes, crc32], ...]}`. Writing streams
-each live tensor's bytes to the file (no serialized copy of the state in memory); reading checks the
-footer, the index, every offset and length against the file's size and every tensor's crc32 BEFORE
-anything is loaded, then reads each tensor straight into the tensor the caller gives for its name. A
-truncated or damaged file raises `CorruptCheckpoint` naming it, and leaves the caller's tensors untouched.
-The good file is only ever replaced by a rename of a complete, fsynced temp file, so a crash mid-write
-never destroys the last good checkpoint.
+`<param>` is a parameter's name in the model's state_dict (swarm/state.py `StateNames`). index.json is
+`{"format": "swarm-checkpoint", "version": 1, "meta": {...}, "tensors": {name: {"dtype", "shape", "pieces":
+[{"file", "offset", "shape", "crc32"}]}}, "sha256": ...}`, the hash taken over the rest of the index. The meta
+holds the round, the inner step, outer steps, the run's fingerprint, its config and the model's Hugging Face
+config (what `swarm export` builds the model from), the data position (shard, epoch, step) and the history.
 
-Cost at 85M parameters (1.36 GB of global parameters, momentum and moments): the moments are written while
-the round averages, the rest and the fsync while the next round's inner steps run; the round waits only if
-those take longer (bench/scale.py reports what is left as `overhead_s`).
+The format, decided once with sharded peers in mind (issue 24): every file is plain safetensors
+(`safetensors.torch.load_file` reads it), and a tensor is a list of *pieces*, each a block of the full tensor
+at an `offset`, in a file the index names. An unsharded peer writes one piece per tensor, the whole of it; a
+peer whose ranks each hold a shard writes one pair of files per rank (`global-00002-of-00004.safetensors`),
+each rank its own pieces, and the index lists them all. A reader asks for blocks (`load`: a tensor and its
+offset in the full tensor) and gets the parts of the pieces that overlap them, so a peer of K ranks reads a
+checkpoint of K' ranks without gathering. We did not take torch.distributed.checkpoint: its files are pickles
+that only its planner reads, with a process group, even to export; per-rank files and resharding by offsets
+are what we need of it, and the index gives them over plain safetensors.
+
+Writing streams each live tensor's bytes (no serialized copy of the state in memory), in two parts on background
+threads so that a round's checkpoint costs it almost nothing (`Checkpointer`). Reading checks the index (its
+hash; every piece against its file's header and size) and the crc32 of every piece it will read BEFORE anything
+is loaded, then reads each piece straight into the caller's tensors; a damaged checkpoint raises
+`CorruptCheckpoint` naming it and leaves them untouched. Checkpoints of the earlier format (`checkpoint.pt`,
+swarm/checkpoint_legacy.py) are read the same way, and deleted once `keep` newer ones exist.
+
+Cost at 85M parameters (1.36 GB of global parameters, momentum and moments): the moments are written while the
+round averages, the rest and the fsync while the next round's inner steps run; the round waits only if those
+take longer (bench/scale.py reports what is left as `overhead_s`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import struct
+import re
+import shutil
 import threading
-import zlib
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
+from swarm import checkpoint_format as fmt
+from swarm import checkpoint_legacy as legacy
+from swarm import tensorfile
+from swarm.checkpoint_format import INDEX, CorruptCheckpoint
 from swarm.errors import SwarmError
-from swarm.state import TensorSpec
-from swarm.tensors import byte_view, dtype_of
+from swarm.state import StateNames, TensorSpec
+from swarm.tensors import dtype_of
 
-MAGIC = b"SWRMCKP2"
-FILENAME = "checkpoint.pt"
-ALIGN = 64
-PIECE = 2**24  # bytes read or written at a time
-FOOTER = struct.Struct("<IQ")
-
-
-class CorruptCheckpoint(SwarmError):
-    pass
-
-
-def _write(f, offset: int, t: torch.Tensor) -> int:
-    """Write `t`'s bytes at `offset`; their crc32."""
-    data, crc = memoryview(byte_view(t.detach().cpu().contiguous()).numpy()), 0
-    f.seek(offset)
-    for start in range(0, len(data), PIECE):
-        crc = zlib.crc32(data[start:start + PIECE], crc)
-        f.write(data[start:start + PIECE])
-    return crc
+INNER, GLOBAL = "inner.safetensors", "global.safetensors"
+ROUND = re.compile(r"round-(\d+)")
+OPEN_TRIES = 3  # a reader racing the writer's pruning opens the newer checkpoint instead
+Target = Union[torch.Tensor, tuple[torch.Tensor, tuple[int, ...]]]
+"""Where `load` puts a tensor: the whole of it, or (block, offset of the block in the full tensor)."""
 
 
 class Checkpointer:
-    """Writes and reads one peer's checkpoint file, in two parts written by background threads, so that a
-    round's checkpoint costs the round almost nothing:
+    """Writes and reads one peer's checkpoints, in two parts written by background threads, so that a round's
+    checkpoint costs the round almost nothing:
 
     - `begin(tensors)` once a round's inner steps are done, with the tensors the next inner step changes
       (the AdamW moments): they stay put while the round averages. Call `wait_begun()` before changing them.
     - `commit(tensors, meta)` once the round committed, with the rest (global parameters and outer momentum,
-      which change only at the next outer step): then the index, fsync and the rename into place. Call
-      `wait()` before changing them, and before the process exits. `abort()` drops a begun checkpoint
-      whose round was discarded. `save(tensors, meta)` writes a whole checkpoint and returns when it is on disk.
+      which change only at the next outer step): then the index, fsync, the rename into place and the pruning
+      of checkpoints beyond `keep`. Call `wait()` before changing them, and before the process exits. `abort()`
+      drops a begun checkpoint whose round was discarded. `save(tensors, meta)` writes a whole checkpoint now.
+
+    `legacy_names` names the positional tensors of an old-format checkpoint; `pinned` reads that one checkpoint
+    (a round folder or a `checkpoint.pt`) instead of the latest.
     """
 
-    def __init__(self, directory: str | Path):
-        self.dir = Path(directory)
-        self.path = self.dir / FILENAME
-        self._tmp = self.path.with_suffix(f".tmp.{os.getpid()}")
-        self._file = None
-        self._entries: list[list] = []
+    def __init__(self, directory: str | Path, keep: int = 1, legacy_names: Optional[StateNames] = None,
+                 pinned: Optional[Path] = None):
+        self.dir, self.keep, self.legacy_names, self.pinned = Path(directory), max(1, keep), legacy_names, pinned
+        self._partial = self.dir / f".partial-{os.getpid()}"
+        self._entries: dict[str, dict[str, Any]] = {}
         self._begun: Optional[threading.Thread] = None
         self._committing: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
+        self.last_read: Optional[Path] = None  # the checkpoint the last `load` read
 
-    def exists(self) -> bool:
-        self.wait()
-        return self.path.exists()
-
+    # ---- writing -------------------------------------------------------------------------------------
     def _run(self, work: Callable[[], None]) -> threading.Thread:
         def guarded() -> None:
             try:
@@ -91,22 +102,24 @@ class Checkpointer:
         thread.start()
         return thread
 
-    def _append(self, tensors: dict[str, torch.Tensor]) -> None:
-        offset = self._entries[-1][3] + self._entries[-1][4] if self._entries else 0
-        for name, t in tensors.items():
-            offset += -offset % ALIGN
-            crc = _write(self._file, offset, t)
-            self._entries.append([*TensorSpec.of(name, t).to_list(), offset, t.numel() * t.element_size(), crc])
-            offset += self._entries[-1][4]
+    def _write_file(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        if not tensors:
+            return
+        with open(self._partial / name, "wb") as f:
+            crcs = tensorfile.write(f, tensors, {"format": "pt", "writer": fmt.FORMAT})
+            f.flush()
+            os.fsync(f.fileno())
+        self._entries.update({key: fmt.tensor_entry(t, name, crcs[key]) for key, t in tensors.items()})
 
     def begin(self, tensors: dict[str, torch.Tensor]) -> None:
         """Start a checkpoint: write `tensors` (they must not change until `wait_begun()`) in the background."""
         self.wait()
         self.dir.mkdir(parents=True, exist_ok=True)
-        for stale in self.dir.glob(f"{FILENAME}.tmp.*"):  # left by a process that died mid-write
-            stale.unlink(missing_ok=True)
-        self._file, self._entries = open(self._tmp, "wb"), []
-        self._begun = self._run(lambda: self._append(tensors))
+        for stale in self.dir.glob(".partial-*"):  # left by a process that died mid-write
+            shutil.rmtree(stale, ignore_errors=True)
+        self._partial.mkdir()
+        self._entries = {}
+        self._begun = self._run(lambda: self._write_file(INNER, tensors))
 
     def wait_begun(self) -> None:
         if self._begun is not None:
@@ -114,8 +127,9 @@ class Checkpointer:
             self._begun = None
 
     def commit(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        """Finish the begun checkpoint with `tensors` (they must not change until `wait()`) and `meta`."""
-        begun = self._begun
+        """Finish the begun checkpoint with `tensors` (they must not change until `wait()`) and `meta` (its
+        `round` names the checkpoint), as `meta` is now: the caller may go on changing what it holds."""
+        begun, meta = self._begun, json.loads(json.dumps(meta))
 
         def finish() -> None:
             if begun is not None:
@@ -123,19 +137,35 @@ class Checkpointer:
             try:
                 if self._error is not None:
                     return
-                self._append(tensors)
-                index = json.dumps({"meta": meta, "tensors": self._entries}).encode()
-                end = self._entries[-1][3] + self._entries[-1][4] if self._entries else 0
-                self._file.seek(end)
-                self._file.write(index + FOOTER.pack(zlib.crc32(index), len(index)) + MAGIC)
-                self._file.flush()
-                os.fsync(self._file.fileno())
-                self._file.close()
-                os.replace(self._tmp, self.path)
+                self._write_file(GLOBAL, tensors)
+                fmt.write_index(self._partial, meta, self._entries)
+                self._install(self.dir / f"round-{int(meta['round']):06d}")
+                self._prune()
             finally:
                 self._close()
         self._begun = None
         self._committing = self._run(finish)
+
+    def _install(self, target: Path) -> None:
+        """Rename the written checkpoint into place (replacing one of the same round), durably."""
+        aside = self.dir / f".replaced-{os.getpid()}"
+        if target.exists():
+            target.rename(aside)
+        self._partial.rename(target)
+        shutil.rmtree(aside, ignore_errors=True)
+        fd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _prune(self) -> None:
+        """Delete the checkpoints beyond the newest `keep` (an old-format one counts as the oldest)."""
+        rounds = self.rounds()
+        for old in rounds[:-self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        if len(rounds) >= self.keep:
+            (self.dir / legacy.FILENAME).unlink(missing_ok=True)
 
     def abort(self) -> None:
         """Drop the begun checkpoint (its round was discarded); the last good one stays."""
@@ -143,10 +173,7 @@ class Checkpointer:
         self._close()
 
     def _close(self) -> None:
-        if self._file is not None and not self._file.closed:
-            self._file.close()
-        self._file = None
-        self._tmp.unlink(missing_ok=True)
+        shutil.rmtree(self._partial, ignore_errors=True)
 
     def close(self) -> None:
         """When training stops, normally or not: finish a committed checkpoint, drop one never committed."""
@@ -169,63 +196,70 @@ class Checkpointer:
         if self._error is not None:
             error, self._error = self._error, None
             self._close()
-            raise SwarmError(f"cannot write checkpoint {self.path}: {error}") from error
+            raise SwarmError(f"cannot write checkpoint in {self.dir}: {error}") from error
 
-    def load(self, destinations: Callable[[list[TensorSpec]], dict[str, torch.Tensor]]) -> dict[str, Any]:
-        """Check the whole file, then read every tensor into `destinations(specs)[name]`; return the meta.
-        `destinations` raises ValueError for a state that does not fit this peer (a CorruptCheckpoint here).
-        The file is opened once: what is read is what was checked, even if a newer checkpoint is renamed
-        into place meanwhile."""
-        with self._open() as f:
-            meta, entries = self._check(f)
-            try:
-                targets = destinations([spec for spec, *_ in entries])
-            except ValueError as e:
-                raise CorruptCheckpoint(f"checkpoint {self.path} does not fit this model: {e}") from None
-            for spec, offset, nbytes, _ in entries:
-                target = targets[spec.name]
-                f.seek(offset)
-                if target.device.type == "cpu" and target.is_contiguous():
-                    f.readinto(memoryview(byte_view(target).numpy()))
-                else:
-                    byte_view(target).copy_(torch.frombuffer(bytearray(f.read(nbytes)), dtype=torch.uint8))
-        return meta
+    # ---- reading -------------------------------------------------------------------------------------
+    def rounds(self) -> list[Path]:
+        """The complete checkpoints of the current format, oldest first."""
+        found = [p for p in self.dir.glob("round-*") if ROUND.fullmatch(p.name) and (p / INDEX).is_file()]
+        return sorted(found, key=lambda p: int(ROUND.fullmatch(p.name)[1]))
 
-    def _open(self):
+    def latest(self) -> Optional[Path]:
+        """The newest complete checkpoint (a round folder, or an old-format `checkpoint.pt`); None if none."""
+        if self.pinned is not None:
+            return self.pinned
+        rounds = self.rounds()
+        if rounds:
+            return rounds[-1]
+        old = self.dir / legacy.FILENAME
+        return old if old.is_file() else None
+
+    def exists(self) -> bool:
         self.wait()
-        try:
-            return open(self.path, "rb")
-        except OSError as e:
-            raise CorruptCheckpoint(f"corrupt checkpoint {self.path}: {type(e).__name__}: {e}") from None
+        return self.latest() is not None
 
-    def _check(self, f) -> tuple[dict[str, Any], list[tuple[TensorSpec, int, int, int]]]:
-        origin = str(self.path)
-        try:
-            size, tail = f.seek(0, os.SEEK_END), FOOTER.size + len(MAGIC)
-            if size < tail:
-                raise CorruptCheckpoint(f"corrupt checkpoint {origin}: {size} bytes, too short")
-            f.seek(size - tail)
-            (index_crc, length), magic = FOOTER.unpack(f.read(FOOTER.size)), f.read(len(MAGIC))
-            if magic != MAGIC or length > size - tail:
-                raise CorruptCheckpoint(f"corrupt checkpoint {origin}: bad footer (truncated or not a checkpoint)")
-            f.seek(size - tail - length)
-            raw = f.read(length)
-            if zlib.crc32(raw) != index_crc:
-                raise CorruptCheckpoint(f"corrupt checkpoint {origin}: its index fails its checksum")
-            index = json.loads(raw)
-            meta, entries = index["meta"], [_entry(e, size - tail - length) for e in index["tensors"]]
-            for spec, offset, nbytes, crc in entries:
-                f.seek(offset)
-                got = 0
-                for start in range(0, nbytes, PIECE):
-                    got = zlib.crc32(f.read(min(PIECE, nbytes - start)), got)
-                if got != crc:
-                    raise CorruptCheckpoint(f"corrupt checkpoint {origin}: {spec.name} fails its checksum")
-        except CorruptCheckpoint:
-            raise
-        except (OSError, ValueError, KeyError, TypeError) as e:  # unreadable, bad JSON, wrong index structure
-            raise CorruptCheckpoint(f"corrupt checkpoint {origin}: {type(e).__name__}: {e}") from None
-        return meta, entries
+    def _open(self) -> fmt.Opened:
+        self.wait()
+        for attempt in range(OPEN_TRIES):
+            path = self.latest()
+            if path is None:
+                raise CorruptCheckpoint(f"no checkpoint in {self.dir}")
+            try:
+                return fmt.open_legacy(path, self.legacy_names) if path.is_file() else fmt.open_folder(path)
+            except CorruptCheckpoint:
+                if path.exists() or self.pinned is not None or attempt == OPEN_TRIES - 1:
+                    raise  # not pruned away under us: damaged
+        raise AssertionError("unreachable")
+
+    def read_meta(self) -> dict[str, Any]:
+        """The meta of the latest checkpoint, after checking its index (not its tensors: `load` does)."""
+        with self._open() as opened:
+            return opened.meta
+
+    def load(self, destinations: Callable[[list[TensorSpec]], dict[str, Target]]) -> dict[str, Any]:
+        """Check the latest checkpoint, then read its tensors into `destinations(specs)` (by name: a tensor, or a
+        block and its offset; names left out are not read); return the meta. `destinations` raises ValueError
+        for a state that does not fit this peer (a CorruptCheckpoint here)."""
+        with self._open() as opened:
+            try:
+                targets = destinations([spec for spec, _ in opened.tensors.values()])
+            except ValueError as e:
+                raise CorruptCheckpoint(f"checkpoint {opened.path} does not fit this model: {e}") from None
+            plan = []
+            for name, target in targets.items():
+                block, at = target if isinstance(target, tuple) else (target, (0,) * target.dim())
+                spec, pieces = opened.tensors[name]
+                plan += [(name, piece, block, at) for piece in pieces if fmt.overlap(piece, block, at) is not None]
+            try:
+                for name, piece, *_ in plan:
+                    if tensorfile.crc32(piece.file, piece.start, piece.nbytes) != piece.crc32:
+                        raise CorruptCheckpoint(f"corrupt checkpoint {opened.path}: {name} fails its checksum")
+                for name, piece, block, at in plan:
+                    fmt.place(piece, opened.tensors[name][0], block, at)
+            except OSError as e:
+                raise CorruptCheckpoint(f"corrupt checkpoint {opened.path}: {type(e).__name__}: {e}") from None
+            self.last_read = opened.path
+            return opened.meta
 
     def load_all(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Every tensor as a fresh CPU tensor, and the meta (for tests and tools)."""
@@ -236,16 +270,3 @@ class Checkpointer:
             return tensors
         meta = self.load(fresh)
         return tensors, meta
-
-
-def _entry(item: object, data_end: int) -> tuple[TensorSpec, int, int, int]:
-    if not (isinstance(item, list) and len(item) == 6):
-        raise ValueError(f"malformed index entry {str(item)[:80]}")
-    spec = TensorSpec.from_list(item[:3])
-    offset, nbytes, crc = item[3:]
-    if not all(isinstance(v, int) for v in (offset, nbytes, crc)) or nbytes != spec.nbytes \
-            or not 0 <= offset <= offset + nbytes <= data_end:
-        raise ValueError(f"index entry for {spec.name} does not fit the file")
-    return spec, offset, nbytes, crc
-
-

@@ -1,15 +1,15 @@
-"""The `swarm` command: `peer`, `join`, `runs`, `sim`, `local`, `bootstrap`, `monitor`.
+"""The `swarm` command: `peer`, `join`, `runs`, `sim`, `local`, `bootstrap`, `monitor`, `export`, `data prepare`,
+`config show`. Its options, help texts and rules: swarm/cliargs.py.
 
 Config overrides follow the named flags as dotted keys: `--inner.lr 3e-4` or `inner.lr=3e-4`.
-Every failure ends with one line on stderr (`swarm: error: ...`) and a non-zero exit: 2 for bad input
-(config key, multiaddr, path), 1 for a refusal by the world (unreachable peers, port in use, corrupt
-checkpoint).
+Every failure ends with one line on stderr (`swarm: error: ...`, also the last line of the run folder's
+log.txt) and a non-zero exit: 2 for bad input (config key, option, multiaddr, path, a port in use given as
+`--port`), 1 for a refusal by the world (unreachable peers, a run that refuses this peer, corrupt checkpoint).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import sys
@@ -17,78 +17,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from swarm.config import Config, ConfigError, SwarmConfig
+from swarm import cliargs, logs
+from swarm.config import Config, ConfigError
 from swarm.configfile import load_config
 from swarm.errors import SwarmError, UsageError, exit_code
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="swarm", description="DiLoCo training across peers on hivemind.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    peer = sub.add_parser("peer", help="run one training peer (joins a swarm, starts one, or --solo)")
-    peer.add_argument("--config", required=True, help="YAML config file, e.g. configs/tiny.yaml")
-    peer.add_argument("--solo", action="store_true", help="train alone, without any network")
-    peer.add_argument("--initial-peers", nargs="+", default=None, metavar="MADDR",
-                      help="multiaddrs of peers already in the swarm; none: start a new swarm")
-    peer.add_argument("--name", default=None, help="peer name (default: hostname-pid); picks the data shard")
-    peer.add_argument("--out", default=None, help="run folder (default: runs/<run>-<time>)")
-    peer.add_argument("--client-mode", action="store_true",
-                      help="this peer cannot be dialed (behind a NAT): it averages but owns no part and serves no "
-                           "state (swarm.client_mode)")
-    peer.add_argument("--nproc-per-node", type=int, default=1, metavar="K",
-                      help="train this peer with K processes (DDP; one per GPU), launched with torchrun")
-
-    join = sub.add_parser("join", help="run one training peer in a run found by name (its config from the DHT)")
-    join.add_argument("run", help="the run's id (swarm.run_id); `swarm runs` lists them")
-    join.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR",
-                      help="multiaddrs of peers in the swarm")
-    join.add_argument("--name", default=None, help="peer name (default: hostname-pid); picks the data shard")
-    join.add_argument("--out", default=None, help="run folder (default: runs/<run>-join-<time>)")
-    join.add_argument("--nproc-per-node", type=int, default=1, metavar="K",
-                      help="train this peer with K processes (DDP; one per GPU): the manifest's config is written to "
-                           "<out>/config.yaml and `swarm peer` runs it under torchrun")
-
-    runs = sub.add_parser("runs", help="list the runs a DHT advertises: round, live peers, model size")
-    runs.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR",
-                      help="multiaddrs of peers in the swarm")
-
-    sim = sub.add_parser("sim", help="M replicas in one process, averaged in memory")
-    sim.add_argument("--config", required=True)
-    sim.add_argument("--replicas", type=int, default=4)
-    sim.add_argument("--out", default=None)
-
-    local = sub.add_parser("local", help="a local multi-peer test swarm on 127.0.0.1")
-    local.add_argument("--config", required=True)
-    local.add_argument("--peers", type=int, default=4)
-    local.add_argument("--rounds", type=int, default=None, help="override diloco.rounds")
-    local.add_argument("--out", default=None)
-    local.add_argument("--kill", action="append", default=[], metavar="PEER@ROUND[:allreduce]",
-                       help="SIGKILL peer PEER in round ROUND (inside the all-reduce with :allreduce); repeatable")
-    local.add_argument("--join", action="append", default=[], type=int, metavar="ROUND",
-                       help="start an extra peer when the swarm reaches round ROUND; repeatable")
-    local.add_argument("--nproc-per-node", type=int, default=1, metavar="K", help="processes per peer (DDP)")
-    local.add_argument("--hostile", action="append", default=[], metavar="KIND@PEER",
-                       help="peer PEER attacks the swarm (forge-progress, nan, huge, weight, bad-part, garbage-meta, "
-                            "poison-state, flood); repeatable")
-    local.add_argument("--monitor-port", type=int, default=None, metavar="PORT",
-                       help="port of the swarm's monitor page (default 8470, or any free port if it is taken)")
-    local.add_argument("--no-monitor", action="store_true", help="start no monitor")
-
-    boot = sub.add_parser("bootstrap", help="a DHT-only peer that others use as --initial-peers")
-    boot.add_argument("--identity", default=None, help="key file for a stable peer id (created if missing)")
-    boot.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"])
-    boot.add_argument("--announce-maddrs", nargs="+", default=[])
-    boot.add_argument("--initial-peers", nargs="+", default=[])
-
-    mon = sub.add_parser("monitor", help="serve a run's live state: web page, JSON and Prometheus metrics")
-    mon.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR",
-                     help="multiaddrs of peers in the swarm")
-    mon.add_argument("--run", required=True, help="the run's id (swarm.run_id)")
-    mon.add_argument("--port", type=int, default=8470, help="HTTP port (default 8470)")
-    mon.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on (default 127.0.0.1)")
-    mon.add_argument("--config", default=None, help="the run's YAML config, for its swarm timings (optional)")
-    return parser
 
 
 def _out_dir(out: Optional[str], cfg: Config, mode: str) -> Path:
@@ -97,110 +29,232 @@ def _out_dir(out: Optional[str], cfg: Config, mode: str) -> Path:
     return Path("runs") / f"{cfg.swarm.run_id}-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def _setup_logging() -> None:
-    """INFO lines from a peer's rank 0 only: the other ranks of a multi-process peer log warnings and errors."""
-    level = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stderr)
+def _network(args: argparse.Namespace) -> list[str]:
+    """The config overrides the network options stand for (cliargs.SHORTCUTS), before the dotted ones, which
+    win over them."""
+    from swarm.net.addresses import network_overrides
 
-
-def run(argv: list[str]) -> int:
-    from swarm.ranks import Ranks, check
-
-    args, rest = _parser().parse_known_args(argv)
-    _setup_logging()
-    if args.command == "bootstrap":
-        if rest:
-            raise ConfigError(f"unknown argument {rest[0]!r}")
-        from peers.bootstrap import run_bootstrap
-
-        return run_bootstrap(args.identity, args.host_maddrs, args.announce_maddrs, args.initial_peers)
-    if args.command == "monitor":
-        from swarm.monitor.server import run_monitor
-
-        cfg = load_config(args.config, [*rest, "--swarm.initial_peers", *args.initial_peers,
-                                        "--swarm.run_id", args.run])
-        return run_monitor(cfg.swarm, args.host, args.port)
-
-    if args.command == "runs":
-        if rest:
-            raise UsageError(f"unknown argument {rest[0]!r}")
-        from peers.join import run_runs
-
-        return run_runs(args.initial_peers, SwarmConfig().bootstrap_timeout)
-    if args.command == "join":
-        from peers.join import joined_config, write_config
-        from peers.node import run_peer
-
-        cfg = joined_config(args.run, args.initial_peers, rest)
-        out = _out_dir(args.out, cfg, "join")
-        if args.nproc_per_node != 1:
-            check(cfg, args.nproc_per_node)
-            name = ["--name", args.name] if args.name else []
-            _exec_torchrun(args.nproc_per_node, ["peer", "--config", str(write_config(cfg, out / "config.yaml")),
-                                                 "--out", str(out), *name])
-        path = run_peer(cfg, out, args.name)
-        print(f"wrote {path} and {path.parent / 'loss.png'}")
-        return 0
-
-    overrides = list(rest)
-    if getattr(args, "initial_peers", None):
-        overrides += ["--swarm.initial_peers", *args.initial_peers]
+    out = ["--swarm.initial_peers", *args.initial_peers] if args.initial_peers else []
     if getattr(args, "client_mode", False):
-        overrides += ["--swarm.client_mode", "true"]
-    if getattr(args, "rounds", None) is not None:
-        overrides += ["--diloco.rounds", str(args.rounds)]
-    cfg = load_config(args.config, overrides)
+        out += ["--swarm.client_mode", "true"]
+    return out + network_overrides(args.port, args.announce_ip)
 
-    if args.command == "peer":
-        ranks = Ranks.from_env()
-        if ranks.distributed and args.nproc_per_node not in (1, ranks.world_size):
-            raise UsageError(f"--nproc-per-node {args.nproc_per_node} but torchrun started {ranks.world_size} ranks")
-        if not ranks.distributed and args.nproc_per_node != 1:
-            check(cfg, args.nproc_per_node)
-            _exec_torchrun(args.nproc_per_node, argv)
 
-    if args.command == "local":
-        check(cfg, args.nproc_per_node)
+def _no_rest(rest: list[str], command: str) -> None:
+    if rest:
+        raise UsageError(f"swarm {command}: unknown argument {rest[0]!r} (see `swarm {command} --help`)")
 
-    if args.command == "peer" and args.solo:
-        from peers.local_trainers import run_solo
 
-        path = run_solo(cfg, _out_dir(args.out, cfg, "solo"))
-    elif args.command == "peer":
-        from peers.node import run_peer
+def _bootstrap(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
+    from swarm.net.dht import run_bootstrap
 
-        path = run_peer(cfg, _out_dir(args.out, cfg, "peer"), args.name)
-    elif args.command == "sim":
-        from peers.local_trainers import run_sim
-
-        path = run_sim(cfg, args.replicas, _out_dir(args.out, cfg, f"sim{args.replicas}"))
-    else:
-        from peers.local_swarm import run_local
-
-        path = run_local(cfg, args.config, overrides, args.peers, _out_dir(args.out, cfg, f"local{args.peers}"),
-                         args.kill, args.join, args.nproc_per_node, args.hostile,
-                         monitor=not args.no_monitor, monitor_port=args.monitor_port)
-    if Ranks.from_env().endpoint:
-        print(f"wrote {path} and {path.parent / 'loss.png'}")
+    run_bootstrap(load_config(args.config, [*_network(args), *rest]).swarm)
     return 0
 
 
-def _exec_torchrun(nproc: int, argv: list[str]) -> None:
-    """Replace this process with torchrun running the same command on `nproc` ranks (signals reach torchrun,
-    which stops every rank; one rank that dies stops the others)."""
-    rest, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--nproc-per-node":
-            skip = True
-        elif not arg.startswith("--nproc-per-node="):
-            rest.append(arg)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                              f"--nproc-per-node={nproc}", "-m", "swarm.cli", *rest])
+def _monitor(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
+    from swarm.monitor.server import run_monitor
+
+    cfg = load_config(args.config, [*rest, "--swarm.initial_peers", *args.initial_peers, "--swarm.run_id", args.run])
+    history = Path(args.history) if args.history else Path("runs") / f"monitor-{args.run}" / "history.json"
+    return run_monitor(cfg.swarm, args.host, args.port, history)
+
+
+def _export(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
+    """`swarm export SOURCE` (a peer's checkpoint) or `swarm export --from-swarm RUN` (the swarm's state)."""
+    from swarm.export import export_hf, usage_snippet
+
+    if (args.source is None) == (args.from_swarm is None):
+        raise UsageError("swarm export takes a SOURCE (a peer's folder) or --from-swarm RUN, one of them")
+    if (args.from_swarm is None) != (args.initial_peers is None):
+        raise UsageError("--from-swarm RUN and --initial-peers MADDR ... go together")
+    if args.from_swarm is not None:
+        from peers.export_swarm import export_from_swarm
+
+        out, round = export_from_swarm(args.from_swarm, args.initial_peers, rest, Path(args.hf_out), args.dtype,
+                                       args.force)
+        what = f"the state of round {round} of run {args.from_swarm}"
+    else:
+        _no_rest(rest, "export")
+        out = export_hf(Path(args.source), Path(args.hf_out), args.dtype, args.force, args.config)
+        what = f"the last checkpoint of {args.source}"
+    print(f"wrote {out} ({what}); load it with:\n{usage_snippet(out)}")
+    return 0
+
+
+def _runs(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
+    from peers.join import run_runs
+
+    cfg = load_config(None, ["--swarm.initial_peers", *args.initial_peers, *rest])
+    return run_runs(cfg.swarm.initial_peers, cfg.swarm.bootstrap_timeout)
+
+
+def _config(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
+    from peers.inspect import show_config
+
+    print(show_config(load_config(args.config, rest), args.config, rest))
+    return 0
+
+
+def _join(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
+    from peers.join import joined_config, write_config
+
+    cfg, run = joined_config(args.run, args.initial_peers, [*_network(args), *rest])
+    _check_pretrained(cfg)
+    from peers.prepare import check_corpus_here
+
+    check_corpus_here(cfg.data, args.run, run.corpus_sha256)
+    if args.dry_run:
+        from peers.inspect import dry_run
+
+        return dry_run(cfg, _planned(args, cfg, "peer"), networked=True, run=run)
+    if args.nproc_per_node != 1:
+        from swarm.ranks import check
+
+        check(cfg, args.nproc_per_node)
+    with _folder(args, cfg, "peer") as folder:
+        if args.nproc_per_node != 1:
+            from peers.launch import launch_ranks
+
+            peer = _rank_argv(["peer", "--config", str(write_config(cfg, folder.path / "config.yaml")),
+                               "--log-level", cliargs.log_level(args)], folder)
+            return launch_ranks(args.nproc_per_node, lambda: run(peer))
+        from peers.node import run_peer
+
+        return _wrote(run_peer(cfg, folder.path, folder.name or args.name), folder.path)
+
+
+def _planned(args: argparse.Namespace, cfg: Config, kind: str) -> Path:
+    """The folder a command would train in (for --dry-run: nothing is claimed or made)."""
+    from peers.folder import claim
+
+    return claim(args.out, cfg.swarm.run_id, getattr(args, "name", None), kind, lock=False).path
+
+
+def _folder(args: argparse.Namespace, cfg: Config, kind: str):
+    """The peer (or swarm) folder this command trains in, claimed for this process; its log.txt begins, and the
+    first log line says whether the peer resumes or starts fresh (peers/folder.py)."""
+    from peers.folder import claim, start
+    from swarm.ranks import Ranks
+
+    distributed = Ranks.from_env().distributed  # a rank of a peer of several processes: its launcher holds it
+    folder = claim(args.out, cfg.swarm.run_id, getattr(args, "name", None), kind, lock=not distributed)
+    logs.to_folder(folder.path)
+    if kind != "local" and not distributed:
+        start(folder.path, cfg, args.fresh, networked=kind == "peer")
+    return folder
+
+
+def _rank_argv(argv: list[str], folder) -> list[str]:
+    """The command each rank of a peer of several processes runs: `argv` in the claimed `folder` (the launcher
+    holds its lock and did `--fresh` already)."""
+    return [arg for arg in argv if arg != "--fresh"] + ["--out", str(folder.path),
+                                                        *(["--name", folder.name] if folder.name else [])]
+
+
+def _check_pretrained(cfg: Config) -> None:
+    """A warm start's folder (`model.pretrained`) checked before anything starts (swarm/pretrained.py)."""
+    from swarm.pretrained import check
+
+    check(cfg)
+
+
+def _prepare(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
+    from peers.prepare import run_prepare
+
+    cfg = load_config(args.config, rest)
+    return run_prepare(cfg.data, cfg.model.vocab_size)
+
+
+def _train(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
+    """`peer`, `sim` and `local`: a config file, a run folder, training."""
+    networked = args.command == "peer" and not args.solo
+    overrides = [*(_network(args) if networked else []), *rest]
+    if getattr(args, "rounds", None) is not None:
+        overrides += ["--diloco.rounds", str(args.rounds)]
+    cfg = load_config(args.config, overrides)
+    _check_pretrained(cfg)
+    from swarm.ranks import Ranks, check
+
+    kind = "local" if args.command == "local" else "peer" if networked else "solo"
+    if args.command == "local":
+        from peers.local_swarm import parse_ranks
+
+        for nproc, _ in parse_ranks(args.nproc_per_node, args.peers + len(args.join)):  # UsageError: exit 2
+            check(cfg, nproc)
+    if args.command in ("peer", "local") and args.dry_run:
+        from peers.inspect import dry_run
+
+        if args.command == "peer":
+            check(cfg, args.nproc_per_node)
+        return dry_run(cfg, _planned(args, cfg, kind), networked=networked)
+    if args.command == "sim":
+        from peers.local_trainers import run_sim
+
+        out = _out_dir(args.out, cfg, f"sim{args.replicas}")
+        logs.to_folder(out)
+        return _wrote(run_sim(cfg, args.replicas, out), None)
+    if args.command == "local":
+        from peers.local_swarm import check_plan, run_local
+
+        check_plan(cfg, args.peers, args.kill, args.join, args.hostile,  # before the folder is made
+                   None if args.no_monitor else args.monitor_port)
+        with _folder(args, cfg, "local") as folder:
+            path = run_local(cfg, args.config, overrides + ["--fresh"] * args.fresh, args.peers, folder.path,
+                             args.kill, args.join, args.nproc_per_node, args.hostile, monitor=not args.no_monitor,
+                             monitor_port=args.monitor_port, log_level=cliargs.log_level(args))
+        return _wrote(path, folder.path / "peer-0")
+    ranks = Ranks.from_env()
+    if ranks.distributed and args.nproc_per_node not in (1, ranks.world_size):
+        raise UsageError(f"--nproc-per-node {args.nproc_per_node} but {ranks.world_size} ranks were started")
+    if not ranks.distributed and args.nproc_per_node != 1:
+        check(cfg, args.nproc_per_node)
+    with _folder(args, cfg, kind) as folder:
+        if not ranks.distributed and args.nproc_per_node != 1:
+            from peers.launch import launch_ranks
+
+            ranks_argv = _rank_argv(argv, folder)
+            return launch_ranks(args.nproc_per_node, lambda: run(ranks_argv))
+        if args.solo:
+            from peers.local_trainers import run_solo
+
+            path = run_solo(cfg, folder.path)
+        else:
+            from peers.node import run_peer
+
+            path = run_peer(cfg, folder.path, folder.name or args.name)
+        return _wrote(path, folder.path)
+
+
+def _wrote(summary: Path, peer: Optional[Path]) -> int:
+    """The last lines a user sees: what was written, and how to get the model out of `peer`'s folder."""
+    from swarm.checkpoint import Checkpointer
+    from swarm.ranks import Ranks
+
+    if Ranks.from_env().endpoint:
+        print(f"wrote {summary} and {summary.parent / 'loss.png'}")
+        if peer is not None and Checkpointer(peer / "checkpoint").latest() is not None:
+            print(f"get the model out: swarm export {peer} --hf-out {summary.parent / 'model'}")
+    return 0
+
+
+COMMANDS = {"bootstrap": _bootstrap, "monitor": _monitor, "export": _export, "runs": _runs, "config": _config,
+            "join": _join, "data": _prepare, "peer": _train, "sim": _train, "local": _train}
+
+
+def run(argv: list[str]) -> int:
+    """Parse `argv` and run its command. Heavy modules (torch, hivemind, transformers) are imported only by the
+    command that needs them, after its arguments and config were read: a usage error exits at once."""
+    args, rest = cliargs.parse(argv)
+    with logs.session(cliargs.log_level(args)):
+        try:
+            return COMMANDS[args.command](args, rest, argv)
+        except (ConfigError, SwarmError) as e:
+            logs.file_only(f"swarm: error: {e}", e)
+            raise
+        except KeyboardInterrupt as e:
+            logs.file_only(f"swarm: stopped by {signal.Signals(getattr(e, 'signum', signal.SIGINT)).name}")
+            raise
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -213,6 +267,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         signum = getattr(e, "signum", signal.SIGINT)
         print(f"swarm: stopped by {signal.Signals(signum).name}", file=sys.stderr)
         code = 128 + signum
+    except BrokenPipeError:  # `swarm config show | head`: the reader is gone, nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 0
     sys.exit(code)
 
 

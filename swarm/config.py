@@ -5,10 +5,8 @@ command-line overrides, every key and type checked, cross-field rules) by swarm/
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 
 class ConfigError(ValueError):
@@ -19,13 +17,16 @@ class ConfigError(ValueError):
 class ModelConfig:
     """The causal LM: built from these shapes (seeded random init) or loaded from `pretrained`."""
 
-    pretrained: Optional[str] = None  # local path or hub name for `from_pretrained`; shapes below are then ignored
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
+    pretrained: Optional[str] = None
+    """A local Hugging Face model folder to start from (warm start, swarm/pretrained.py), e.g. one `swarm export`
+    wrote; the shapes below are then ignored. Each peer's own path to its copy: the run holds the weights' hash
+    (swarm/runid.py), not their path."""
+    hidden_size: int = 64  # width of the residual stream (Llama hidden_size)
+    num_layers: int = 2  # transformer blocks
+    num_heads: int = 4  # attention heads
     num_kv_heads: Optional[int] = None  # None: same as num_heads (no grouped-query attention)
-    intermediate_size: int = 172
-    max_seq_len: int = 256
+    intermediate_size: int = 172  # width of each block's SwiGLU MLP
+    max_seq_len: int = 256  # longest sequence the model's rotary positions are built for (>= data.seq_len)
     vocab_size: Optional[int] = None  # None: taken from the tokenizer
     seed: int = 0  # random init seed: every peer of a run must build the same initial weights
 
@@ -36,31 +37,34 @@ class DataConfig:
 
     source: Literal["embedded", "hf"] = "embedded"  # embedded: Python's standard library source, no download
     dataset: Optional[str] = None  # source=hf: hub name or local path (folder or .txt/.json/.jsonl/.parquet file)
-    dataset_config: Optional[str] = None
-    split: str = "train"
-    text_field: str = "text"
-    streaming: bool = True
+    dataset_config: Optional[str] = None  # the dataset's configuration name, if it has several (source=hf)
+    split: str = "train"  # split of the dataset to read (source=hf)
+    text_field: str = "text"  # field of each record that holds its text (source=hf)
+    streaming: bool = True  # source=hf: read the dataset as a stream (no full download first)
     tokenizer: str = "bytes"  # "bytes" (256 symbols, no download) or a tokenizer name/path for AutoTokenizer
-    seq_len: int = 128
-    batch_size: int = 8
+    seq_len: int = 128  # tokens per training window (sequence)
+    batch_size: int = 8  # sequences per inner step for the whole peer (split over its ranks)
     num_shards: int = 64  # the training stream is cut into this many disjoint shards
-    shard: Optional[int] = None  # this peer's shard; None: derived from (run, peer name, seed)
+    shard: Optional[int] = None  # this peer's shard; None: a free one leased through the swarm (solo: 0)
     eval_fraction: float = 0.05  # share of documents held out for eval; no shard ever trains on them
-    eval_batches: int = 8
+    eval_batches: int = 8  # fixed held-out batches every eval reads
     max_documents: Optional[int] = None  # cap on documents read (embedded corpus / hf), None: all
-    seed: int = 0
+    seed: int = 0  # seed of the eval split, the shards and the batch order (with the peer's name)
+    cache_dir: Optional[str] = None
+    """Where prepared corpora (token files, swarm/tokens.py) live; None: $XDG_CACHE_HOME/swarm/tokens, by default
+    ~/.cache/swarm/tokens. `swarm data prepare` writes where a peer with the same data settings looks."""
 
 
 @dataclass
 class InnerConfig:
     """The local AdamW optimizer each peer runs for H inner steps per round."""
 
-    lr: float = 1e-3
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    warmup_steps: int = 20
+    lr: float = 1e-3  # peak learning rate (after warmup; cosine decay to lr * min_lr_ratio)
+    weight_decay: float = 0.1  # AdamW weight decay
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.95  # AdamW beta2
+    eps: float = 1e-8  # AdamW epsilon
+    warmup_steps: int = 20  # inner steps of linear warmup at the start of the run
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last inner step
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     optimizer: Literal["adamw", "adamw8bit"] = "adamw"
@@ -75,32 +79,41 @@ class InnerConfig:
     global parameters and outer momentum stay fp32, so no update is lost to bf16 rounding."""
     activation_checkpointing: bool = False
     """Recompute each layer's activations in the backward pass: less memory for ~30% more compute."""
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    """How the ranks of a peer of several processes (`--nproc-per-node K`) share its work (swarm/sharding.py).
+    ddp: every rank holds the whole model, its AdamW moments, the global parameters and the outer momentum.
+    fsdp: FSDP2 `fully_shard` per transformer block and at the root; each rank holds 1/K of all of them, and
+    of the outer step. The same step either way (up to float rounding), so peers of either kind, and of any K,
+    average together. With one rank, fsdp is the same as no sharding (nothing to shard over)."""
 
 
 @dataclass
 class OuterConfig:
     """The outer optimizer: SGD with Nesterov momentum on the global parameters."""
 
-    lr: float = 0.7
-    momentum: float = 0.9
-    nesterov: bool = True
+    lr: float = 0.7  # outer learning rate of the Nesterov SGD step on the averaged pseudo-gradient
+    momentum: float = 0.9  # outer momentum
+    nesterov: bool = True  # Nesterov momentum (with momentum > 0)
 
 
 @dataclass
 class DilocoConfig:
-    """The two-level loop: `rounds` outer steps of `inner_steps` (H) inner steps each."""
+    """The two-level loop: `rounds` rounds of `inner_steps` (H) inner steps each, every round closed by an outer
+    step (with `fragments` F, by the last of its F outer steps)."""
 
-    rounds: int = 6
-    inner_steps: int = 50
+    rounds: int = 6  # rounds in the run; each closes with an outer step
+    inner_steps: int = 50  # H: inner steps per round
     eval_every: int = 1  # rounds between held-out evals
-    device: str = "cpu"
+    device: str = "cpu"  # where the model trains: cpu, cuda, cuda:<i>
     global_device: str = "cpu"  # where the fp32 global parameters and outer momentum live
     threads: int = 0  # torch intra-op threads for this peer; 0 leaves torch's default
-    # Inner steps by which a round's outer step trails its end (swarm/overlap.py): 0 stops computing while the
-    # peers average; tau >= 1 averages round r behind the first tau inner steps of round r+1 and applies the
-    # result after them, waiting there if it has not arrived. Pick tau so that tau inner steps outlast a round's
-    # matchmaking and all-reduce. The shipped configs set a tenth of H (README); a config that says nothing blocks.
-    delay: int = 0
+    delay: Union[int, Literal["auto"]] = 0
+    """Inner steps by which a round's outer step trails its end (swarm/overlap.py): 0 stops computing while the
+    peers average; tau >= 1 averages round r behind the first tau inner steps of round r+1 and applies the
+    result after them, waiting there if it has not arrived. Pick tau so that tau inner steps outlast a round's
+    matchmaking and all-reduce. auto (the shipped configs): a tenth of the inner steps between two exchanges,
+    (inner_steps // fragments) // 10, so that changing H never makes a config invalid. A config that says
+    nothing blocks."""
     fragments: int = 1
     """Streaming DiLoCo (swarm/fragments.py): F contiguous fragments of the parameter tensors, fragment f exchanged
     after inner step (f + 1) * inner_steps // F of each round: F exchanges of ~1/F of the bytes per round."""
@@ -114,9 +127,12 @@ class SwarmConfig:
     """The network: DHT bootstrap, matchmaking and all-reduce. Every time-out is finite."""
 
     run_id: str = "swarm-tiny"  # DHT key prefix; several runs can share one DHT
-    initial_peers: list[str] = field(default_factory=list)
-    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    initial_peers: list[str] = field(default_factory=list)  # multiaddrs of peers already in the swarm; none: start one
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    """Multiaddrs this peer listens on: by default every interface, on any free port (`--port P` fixes it: the
+    TCP port to open in a firewall). /ip4/127.0.0.1/tcp/0 keeps a peer to this machine."""
     announce_maddrs: list[str] = field(default_factory=list)
+    """Multiaddrs others dial this peer at (`--announce-ip IP`); default: the addresses it listens on."""
     identity: Optional[str] = None
     """This peer's key file (created if missing): its peer id and the signature on its DHT records
     (swarm/net/identity.py). None: a fresh key, and peer id, for every start."""
@@ -124,13 +140,19 @@ class SwarmConfig:
     """open: anyone may join. allowlist: only `allowed_peers` may write this run's DHT records, meet in
     groups, send to the all-reduce or download the state (a private swarm)."""
     allowed_peers: list[str] = field(default_factory=list)  # base58 peer ids (`swarm.auth: allowlist`)
+    identity_work: int = 0
+    """Bits of proof of work a peer id needs to count (swarm/net/work.py): with B > 0 every peer searches, once
+    per key, a nonce whose sha256 with its public key starts with B zero bits (2^B hashes, ~3.4 M/s per core),
+    and records, fingerprint votes, manifest copies and group seats of peer ids without one are ignored.
+    0: off. At most 27 (under a minute's search on one core). `swarm join` takes it as an option too (the work it
+    demands of the peers whose manifests it counts)."""
     client_mode: bool = False
     """True for a peer that cannot be dialed (behind a NAT or a firewall; `swarm peer --client-mode`): it only
     dials out, averages with the swarm but owns no part of the all-reduce, never leads a group and never serves
     its state. Every group needs at least one peer that is not a client. No libp2p relay is involved: a client
     needs none to dial out, and a relayed (circuit v2) connection is capped far below a round's bytes."""
     target_group_size: int = 64  # a group forms at once when this many peers are ready
-    min_group_size: int = 2
+    min_group_size: int = 2  # fewest peers a group needs to average (hivemind matchmaking)
     compression: Literal["none", "fp16", "int8", "int4"] = "none"
     """How pseudo-gradients travel in the all-reduce (reduction is always fp32): none (fp32), fp16, int8
     (blockwise, ~0.27x the bytes of none), int4 (blockwise, ~0.16x). Tensors under 8192 elements always
@@ -161,33 +183,50 @@ class SwarmConfig:
     """After its last round a peer keeps serving its state this long at most, while live peers are still at
     earlier rounds: raise it if a peer that fell behind near the end logs "state from ... refused" and
     ends on its own stale parameters."""
-    # Bounded influence (swarm/net/robust.py, audit.py): off by default, see there why.
-    max_weight_share: float = 1.0
+    # Bounded influence (swarm/net/allreduce/robust.py, audit.py): on by default, since an open swarm holds
+    # strangers; the values are those the hostile table was measured with (bench/results/README.md), and on
+    # configs/tiny.yaml they cost an unattacked 4-peer run nothing measurable (eval loss 2.6698 +- 0.011 vs
+    # 2.6707 +- 0.005 with the plain weighted mean, 3 runs each). A private swarm (swarm.auth: allowlist) may
+    # set max_weight_share 1, clip_norm_ratio 0 and aggregation mean for the exact sample-weighted mean; an
+    # open swarm that does is warned at start.
+    max_weight_share: float = 0.5
     """In (0, 1], 1 = off: cap on one member's share of its group's weight (water-filling; equal shares if
-    fewer than 1/cap members have samples). Lower it if a peer claiming huge sample counts dictates."""
-    clip_norm_ratio: float = 0.0
+    fewer than 1/cap members have samples, e.g. in a group of 2). A claim of 1e30 samples gets 0.5."""
+    clip_norm_ratio: float = 4.0
     """0 = off, or >= 1: each member's chunk is scaled down to this x the median of the members' norms of
-    that chunk (per chunk: an owner never holds a whole part). Set it if a huge pseudo-gradient dictates."""
-    aggregation: Literal["mean", "trimmed_mean", "centered_clip"] = "mean"
-    """A part owner's per-chunk reducer: weighted mean, coordinate-wise trimmed mean, or centered clip."""
+    that chunk (per chunk: an owner never holds a whole part). Bounds a huge pseudo-gradient."""
+    aggregation: Literal["mean", "trimmed_mean", "centered_clip"] = "trimmed_mean"
+    """A part owner's per-chunk reducer: weighted mean, coordinate-wise trimmed mean (drops the 20% highest
+    and lowest values of every coordinate, at least one each from 3 members on), or centered clip."""
     verify_parts: bool = False
-    """Each member recomputes one random chunk of every other part and fails the round on a lying owner."""
+    """Each member recomputes one random chunk of every other part and fails the round on a lying owner (a
+    part owner otherwise sets its part of the average alone). Off by default: a client (swarm.client_mode)
+    cannot answer audits, so a run with it cannot hold clients; on tiny.yaml it cost +0.2% eval loss (noise)."""
 
-    def robust_rule(self) -> tuple:
-        """What every member of a group must share (in the fingerprint when not the default)."""
-        return self.max_weight_share, self.clip_norm_ratio, self.aggregation, self.verify_parts
+    def relaxed(self) -> list[str]:
+        """The bounds on one peer's influence this config turns off (a private swarm may; an open one should not)."""
+        return [text for off, text in ((self.max_weight_share >= 1.0, "max_weight_share 1"),
+                                       (self.clip_norm_ratio == 0.0, "clip_norm_ratio 0"),
+                                       (self.aggregation == "mean", "aggregation mean")) if off]
 
 
 @dataclass
 class CheckpointConfig:
     dir: Optional[str] = None  # None: <out>/checkpoint
     every: int = 1  # rounds between checkpoints; 0 disables
+    keep: int = 1  # the newest checkpoints kept (older ones are deleted once a newer one is complete)
     resume: bool = True  # resume from dir if a checkpoint is there
 
 
 @dataclass
 class LoggingConfig:
-    progress_bar: bool = True
+    """What a peer shows and keeps: log.txt and metrics.csv always, in its run folder; these add the rest."""
+
+    progress_bar: bool = True  # a live progress bar on a terminal (else, or off: a plain line every progress_every)
+    progress_every: float = 60.0  # seconds between two plain progress lines (no terminal, or progress_bar off)
+    tensorboard: bool = False  # also write TensorBoard event files to <out>/tensorboard (needs swarm[tensorboard])
+    wandb: Optional[str] = None  # a Weights & Biases project to log every round to (pip install swarm[wandb])
+    wandb_mode: Literal["online", "offline"] = "online"  # offline: a local run folder, `wandb sync` uploads it later
     dump_tensors: bool = False  # write each round's pseudo-gradient, weight and new global params to <out>/tensors
 
 
@@ -206,7 +245,7 @@ class FaultsConfig:
     # all, publishing nothing). A test or `swarm local --join` starts the peer early and lets it go on cue, so
     # that a process start-up (seconds, more on a loaded machine) never races the swarm's rounds.
     hold_round: Optional[int] = None
-    hold_file: str = ""
+    hold_file: str = ""  # the file whose existence holds the peer (faults.hold_round)
     hostile: list[str] = field(default_factory=list)  # attacks this peer makes (swarm/net/hostile.py ATTACKS)
 
 
@@ -225,39 +264,43 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def fingerprint(self) -> str:
-        """Hash of what peers must share to average together: model shapes, tokenizer, outer rule, H."""
-        shared = {
-            "model": self.model.__dict__,
-            "tokenizer": self.data.tokenizer,
-            "seq_len": self.data.seq_len,
-            "outer": self.outer.__dict__,
-            "inner_steps": self.diloco.inner_steps,
-            "compression": self.swarm.compression,
-            **({"robust": robust} if (robust := self.swarm.robust_rule()) != (1.0, 0.0, "mean", False) else {}),
-        }
-        return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
-
 
 PER_PEER_KEYS = frozenset({
     "diloco.device", "diloco.global_device", "diloco.threads",
-    "inner.micro_batch_size", "inner.activation_checkpointing",
-    "data.shard",
+    "inner.micro_batch_size", "inner.activation_checkpointing", "inner.parallel",
+    "data.shard", "data.cache_dir", "model.pretrained",
     "swarm.identity", "swarm.host_maddrs", "swarm.announce_maddrs", "swarm.client_mode", "swarm.initial_peers",
     "swarm.bootstrap_timeout",
     "checkpoint", "logging", "faults",
 })
 """Keys (dotted, or a whole section) that are this peer's own business: where and how fast it computes, its
-address and key, its files, its fault injection. Everything else is the run's: a run's manifest
-(swarm/net/manifest.py) holds the config without these, and `swarm join` lets a peer override only these.
-`inner.micro_batch_size` and `inner.activation_checkpointing` change memory, not the step (up to float
-rounding); `inner.precision` changes the step's arithmetic, so it is the run's. `swarm.bootstrap_timeout`
+address and key, its files (`data.cache_dir`, where its prepared corpus lies: the run holds the corpus's
+hash; `model.pretrained` too: the run holds the weights' hash, not their path), its fault injection.
+Everything else is the run's: a run's manifest (swarm/net/manifest.py) holds the config without these, and
+`swarm join` lets a peer override only these.
+`inner.micro_batch_size`, `inner.activation_checkpointing` and `inner.parallel` change memory, not the step (up
+to float rounding); `inner.precision` changes the step's arithmetic, so it is the run's. `swarm.bootstrap_timeout`
 bounds only this peer's own start-up on its own link."""
 
 
 def is_per_peer(key: str) -> bool:
     """Whether dotted `key` (e.g. "checkpoint.dir") is one of PER_PEER_KEYS or inside one of its sections."""
     return key in PER_PEER_KEYS or key.partition(".")[0] in PER_PEER_KEYS
+
+
+def per_peer_keys() -> list[str]:
+    """PER_PEER_KEYS as a user reads them: dotted keys, and `section.*` for a whole section."""
+    return sorted(k if "." in k else f"{k}.*" for k in PER_PEER_KEYS)
+
+
+def shared_config(cfg: Config) -> dict[str, dict]:
+    """The run's config: `Config.to_dict()` without PER_PEER_KEYS. What a run's manifest holds and its
+    fingerprint hashes (swarm/runid.py): every peer of a run holds the same."""
+    out = {}
+    for section, values in cfg.to_dict().items():
+        if section not in PER_PEER_KEYS:
+            out[section] = {k: v for k, v in values.items() if not is_per_peer(f"{section}.{k}")}
+    return out
 
 
 def live_window(s: SwarmConfig) -> float:

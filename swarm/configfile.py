@@ -17,6 +17,7 @@ import yaml
 
 from swarm.config import Config, ConfigError, live_window
 from swarm.net.attacks import ATTACKS
+from swarm.net.work import MAX_IDENTITY_WORK
 
 _BYTES = "swarm.stall_timeout and swarm.min_bandwidth (time-outs now follow the bytes)"
 RETIRED = {"swarm.allreduce_timeout": _BYTES, "swarm.round_timeout": _BYTES, "swarm.state_timeout": _BYTES,
@@ -127,6 +128,13 @@ def _deep_merge(into: dict, other: dict) -> None:
             into[k] = v
 
 
+def resolve(cfg: Config) -> None:
+    """Values that follow other keys, once every override is in: `diloco.delay: auto`."""
+    dl = cfg.diloco
+    if dl.delay == "auto":
+        dl.delay = max(1, dl.inner_steps // max(1, dl.fragments)) // 10  # a bad fragments is refused below
+
+
 def validate(cfg: Config) -> None:
     """Cross-field rules that a single type cannot express."""
     m, d, s = cfg.model, cfg.data, cfg.swarm
@@ -146,9 +154,15 @@ def validate(cfg: Config) -> None:
                        ("data.batch_size", d.batch_size), ("data.seq_len", d.seq_len)]:
         if value < 1:
             raise ConfigError(f"{key} must be >= 1, got {value}")
+    if cfg.checkpoint.keep < 1 or cfg.checkpoint.every < 0:
+        raise ConfigError(f"checkpoint.keep {cfg.checkpoint.keep} must be >= 1 and checkpoint.every "
+                          f"{cfg.checkpoint.every} >= 0 (0: no checkpoints)")
     micro = cfg.inner.micro_batch_size
     if micro is not None and (micro < 1 or d.batch_size % micro):
         raise ConfigError(f"inner.micro_batch_size {micro} does not divide data.batch_size {d.batch_size}")
+    if cfg.inner.parallel == "fsdp" and cfg.inner.optimizer == "adamw8bit":
+        raise ConfigError("inner.optimizer adamw8bit cannot step the sharded parameters of inner.parallel fsdp: "
+                          "use inner.optimizer adamw")
     if cfg.inner.warmup_steps > cfg.diloco.rounds * cfg.diloco.inner_steps:
         raise ConfigError("inner.warmup_steps exceeds the total inner steps (diloco.rounds * diloco.inner_steps)")
     if not 0.0 <= cfg.outer.momentum < 1.0:
@@ -187,6 +201,9 @@ def validate(cfg: Config) -> None:
     for kind in f.hostile:
         if kind not in ATTACKS:
             raise ConfigError(f"faults.hostile: unknown attack {kind!r} (known: {', '.join(ATTACKS)})")
+    if not (type(s.identity_work) is int and 0 <= s.identity_work <= MAX_IDENTITY_WORK):
+        raise ConfigError(f"swarm.identity_work {s.identity_work!r} must be an integer in [0, {MAX_IDENTITY_WORK}] "
+                          f"(bits of proof of work; {MAX_IDENTITY_WORK} takes under a minute to find on one core)")
     if not 0.0 < s.max_weight_share <= 1.0:
         raise ConfigError(f"swarm.max_weight_share {s.max_weight_share} must be in (0, 1] (1 is off)")
     if not (s.clip_norm_ratio == 0.0 or 1.0 <= s.clip_norm_ratio < math.inf):
@@ -213,6 +230,7 @@ def load_config(path: str | Path | None, overrides: list[str] | dict | None = No
         _apply(cfg, "", raw)
     if overrides:
         _apply(cfg, "", parse_overrides(overrides) if isinstance(overrides, list) else overrides)
+    resolve(cfg)
     validate(cfg)
     return cfg
 

@@ -3,24 +3,28 @@
 A trainer does:
 
     corpus = load_corpus(cfg.data)                    # tokenizer + train stream + eval stream
-    train = TrainBatches(corpus, cfg.data, shard_index(cfg.data, run_id, peer_name))
-    x = train.batch(step)                             # LongTensor [batch_size, seq_len], a function of step
+    train = TrainBatches(corpus, cfg.data, shard, identity=peer_name)  # shard: fixed or leased (swarm/peerdata.py)
+    x = train.next_batch()                            # LongTensor [batch_size, seq_len]; train.position moves on
     evals = corpus.eval_batches(cfg.data)             # the same fixed eval batches on every peer
 
 Public names:
 - `build_tokenizer(cfg)`: `ByteTokenizer` ("bytes", 256 symbols) or `HFTokenizer` (AutoTokenizer wrapper);
   both have `vocab_size`, `sep_id`, `encode(text) -> list[int]` and `decode(ids) -> str`.
-- `read_documents(cfg)`: the `(key, text)` documents of the configured source, in a deterministic order.
+- `iter_documents(cfg)`: the `(key, text)` documents of the configured source, in a deterministic order.
 - `is_eval_document(key, cfg)`: the stable hash test that holds a document out for eval.
-- `load_corpus(cfg)` -> `Corpus`: train/eval token streams (each document followed by `sep_id`), cached per process.
-- `window_shards(n_windows, cfg)`: the shard of every train window (window k = tokens [k*L, (k+1)*L)).
-- `shard_index(cfg, run_id, peer_name)`: this peer's shard, `cfg.shard` or a stable hash of the peer.
-- `TrainBatches(corpus, cfg, shard)`: the shard's windows, reshuffled each epoch; `batch(step)`.
+- `load_corpus(cfg)` -> `Corpus`: train/eval token streams (each document followed by `sep_id`), memory-mapped
+  from the corpus prepared once on disk (swarm/tokens.py, `swarm data prepare`); the text is never held whole.
+- `shard_windows(n_windows, cfg, shard)`: the train windows of a shard (window k = tokens [k*L, (k+1)*L)).
+- `shard_index(cfg, run_id, peer_name)`: `cfg.shard` or a stable hash of the peer: the shard of a peer whose
+  lease could not be read (a swarm's peers lease theirs: swarm/data_leases.py, swarm/net/leases.py).
+- `check_vocabulary(tokenizer, model_vocab, cfg)`: the model's embedding fits the tokenizer.
+- `TrainBatches(corpus, cfg, shard, identity)`: the shard's windows, reshuffled each epoch in this peer's order;
+  `next_batch()` reads on from its `position`, `state()` says where it is (checkpoints record it).
 
-Every hash here is blake2b over the parts' text (never Python's salted `hash()`), so all peers, processes
-and restarts agree. Sources: "embedded" is the `*.py` source of the running Python's standard library
-(test suites and bundled apps left out; no download); "hf" is `datasets.load_dataset` on a hub name or a
-local .txt/.json/.jsonl/.parquet file or folder (a .txt file gives one document per line).
+Every hash here is blake2b over the parts' text or splitmix64 over a window's index (never Python's salted
+`hash()`), so all peers, processes and restarts agree. Sources: "embedded" is the `*.py` source of the running
+Python's standard library (test suites and bundled apps left out; no download); "hf" is `datasets.load_dataset`
+on a hub name or a local .txt/.json/.jsonl/.parquet file or folder (a .txt file gives one document per line).
 """
 
 from __future__ import annotations
@@ -29,13 +33,15 @@ import hashlib
 import os
 import sysconfig
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from swarm.config import DataConfig
 from swarm.errors import UsageError
+from swarm.tokens import Prepared, corpus_folder, prepare
 
 _EXCLUDED_DIRS = {"test", "tests", "idle_test", "idlelib", "turtledemo", "lib2to3", "ensurepip",
                   "site-packages", "dist-packages", "config-3", "__pycache__"}
@@ -82,7 +88,14 @@ class HFTokenizer:
         return self.hf.encode(text, add_special_tokens=False)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self.hf(texts, add_special_tokens=False)["input_ids"] if texts else []
+        """The texts' ids, by the Rust tokenizer's own batch call where there is one (threaded; twice as fast as
+        going through `transformers`, measured on a BPE of 8000 tokens)."""
+        if not texts:
+            return []
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is None:
+            return self.hf(texts, add_special_tokens=False)["input_ids"]
+        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids)
@@ -113,16 +126,30 @@ def _embedded_documents() -> Iterator[tuple[str, str]]:
         yield key, (root / key).read_bytes().decode("utf-8", errors="replace")
 
 
-def _is_local(name: str) -> bool:
+def is_local(name: str) -> bool:
+    """Whether dataset (or tokenizer) `name` names local files rather than a hub name."""
     return os.path.exists(name) or name.startswith(("/", ".", "~")) or Path(name).suffix in _BUILDERS
+
+
+def _txt_records(path: Path) -> Iterator[str]:
+    """The lines of a .txt file, as `datasets`' text builder gives them (UTF-8, universal newlines, one record per
+    "\n", the "\n" dropped), read line by line without importing `datasets` (a 4 GB file in ~1 minute here)."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            yield line[:-1] if line.endswith("\n") else line
 
 
 def _hf_documents(cfg: DataConfig) -> Iterator[tuple[str, str]]:
     """Records of `cfg.dataset` (hub or local), keyed by their index; empty texts are skipped."""
     name = str(cfg.dataset)
     try:
+        if is_local(name) and Path(name).expanduser().is_file() and Path(name).suffix == ".txt":
+            for i, text in enumerate(_txt_records(Path(name).expanduser())):
+                if text.strip():
+                    yield str(i), text
+            return
         import datasets
-        if _is_local(name):
+        if is_local(name):
             path = Path(name).expanduser()
             if not path.exists():
                 raise FileNotFoundError("no such file or directory")
@@ -145,15 +172,14 @@ def _hf_documents(cfg: DataConfig) -> Iterator[tuple[str, str]]:
         raise UsageError(f"cannot read dataset {name}: {_first_line(e)}") from None
 
 
-def read_documents(cfg: DataConfig) -> list[tuple[str, str]]:
-    """`(key, text)` documents of `cfg.source` in a deterministic order, at most `cfg.max_documents`."""
+def iter_documents(cfg: DataConfig) -> Iterator[tuple[str, str]]:
+    """`(key, text)` documents of `cfg.source` in a deterministic order, at most `cfg.max_documents`, read as
+    they are needed (a streaming dataset is never held whole)."""
     docs = _embedded_documents() if cfg.source == "embedded" else _hf_documents(cfg)
-    out = []
-    for doc in docs:
-        if cfg.max_documents is not None and len(out) >= cfg.max_documents:
-            break
-        out.append(doc)
-    return out
+    for count, doc in enumerate(docs):
+        if cfg.max_documents is not None and count >= cfg.max_documents:
+            return
+        yield doc
 
 
 def _eval_score(key: str, cfg: DataConfig) -> float:
@@ -166,25 +192,23 @@ def is_eval_document(key: str, cfg: DataConfig) -> bool:
 
 
 # --------------------------------------------------------------------------------------------- corpus
-def _token_stream(tokenizer: Tokenizer, texts: list[str]) -> torch.Tensor:
-    """The documents' tokens, each followed by `tokenizer.sep_id`, as one int32 tensor."""
-    if isinstance(tokenizer, ByteTokenizer):
-        joined = b"".join(t.encode("utf-8") + b"\0" for t in texts)
-        return torch.frombuffer(bytearray(joined), dtype=torch.uint8).to(torch.int32)
-    ids = tokenizer.encode_batch(texts)
-    flat = [t for doc in ids for t in (*doc, tokenizer.sep_id)]
-    return torch.tensor(flat, dtype=torch.int32)
-
-
-@dataclass
 class Corpus:
-    """A tokenizer and two token streams built from disjoint documents (`*_keys` name them)."""
+    """A tokenizer and two token streams of disjoint documents, memory-mapped from the corpus prepared on disk
+    (swarm/tokens.py): each document's tokens followed by `tokenizer.sep_id`, in document order."""
 
-    tokenizer: Tokenizer
-    train: torch.Tensor  # 1-D int32: train documents' tokens, each followed by tokenizer.sep_id
-    eval: torch.Tensor  # 1-D int32: the same for the held-out documents
-    train_keys: list[str]
-    eval_keys: list[str]
+    def __init__(self, tokenizer: Tokenizer, prepared: Prepared):
+        self.tokenizer, self.prepared = tokenizer, prepared
+        self.train = prepared.tokens("train")  # 1-D numpy (uint16 or uint32), read only where used
+        self.prefetch = prepared.prefetcher("train")  # reads the windows a peer will read next ahead of time
+        self.eval = prepared.tokens("eval")
+
+    @property
+    def train_keys(self) -> list[str]:
+        return self.prepared.keys("train")
+
+    @property
+    def eval_keys(self) -> list[str]:
+        return self.prepared.keys("eval")
 
     def num_windows(self, seq_len: int) -> int:
         """How many whole windows of `seq_len` tokens the train stream holds."""
@@ -197,49 +221,64 @@ class Corpus:
             raise UsageError(f"the eval documents hold {len(self.eval)} tokens, fewer than data.seq_len "
                              f"{cfg.seq_len}: raise data.eval_fraction or use more data")
         gen = torch.Generator().manual_seed(stable_hash("eval-windows", cfg.seed) >> 1)
-        picked = torch.randperm(n, generator=gen)[: cfg.eval_batches * cfg.batch_size]
-        windows = self.eval[: n * cfg.seq_len].view(n, cfg.seq_len)[picked].long()
-        return list(windows.split(cfg.batch_size))
+        picked = torch.randperm(n, generator=gen)[: cfg.eval_batches * cfg.batch_size].numpy()
+        windows = self.eval[: n * cfg.seq_len].reshape(n, cfg.seq_len)[picked].astype(np.int64)
+        return list(torch.from_numpy(windows).split(cfg.batch_size))
 
 
-_CACHE: dict[tuple, Corpus] = {}
+_CACHE: dict[Path, Corpus] = {}
 
 
-def load_corpus(cfg: DataConfig, cache: bool = True) -> Corpus:
-    """Read, split and tokenize the documents of `cfg` (cached in memory per process unless `cache=False`).
+def load_corpus(cfg: DataConfig, cache: bool = True, verify: bool = False,
+                progress: Optional[Callable[[int, int], None]] = None) -> Corpus:
+    """The corpus of `cfg`, prepared on disk first if it is not yet (swarm/tokens.py), then memory-mapped (and
+    kept per process unless `cache=False`). `verify` re-hashes the token files; `progress(documents, tokens)`
+    follows a preparation.
 
     A document goes to eval when `is_eval_document`; if none (or all) do, the one with the lowest
     (highest) hash is moved so both sides are non-empty when there are at least two documents.
     """
-    key = (cfg.source, cfg.dataset, cfg.dataset_config, cfg.split, cfg.text_field, cfg.tokenizer,
-           cfg.max_documents, cfg.eval_fraction, cfg.seed)
-    if cache and key in _CACHE:
-        return _CACHE[key]
+    folder = corpus_folder(cfg)
+    if cache and not verify and folder in _CACHE:
+        return _CACHE[folder]
     tokenizer = build_tokenizer(cfg)
-    docs = read_documents(cfg)
-    if len(docs) < 2:
-        raise UsageError(f"data source {cfg.dataset or cfg.source} gave {len(docs)} documents; need at least 2")
-    held = [is_eval_document(k, cfg) for k, _ in docs]
-    if all(held) or not any(held):
-        scores = [_eval_score(k, cfg) for k, _ in docs]
-        flip = scores.index(max(scores) if all(held) else min(scores))
-        held[flip] = not held[flip]
-    train_docs = [d for d, h in zip(docs, held) if not h]
-    eval_docs = [d for d, h in zip(docs, held) if h]
-    corpus = Corpus(tokenizer=tokenizer,
-                    train=_token_stream(tokenizer, [t for _, t in train_docs]),
-                    eval=_token_stream(tokenizer, [t for _, t in eval_docs]),
-                    train_keys=[k for k, _ in train_docs], eval_keys=[k for k, _ in eval_docs])
+    prepared = prepare(folder, cfg, tokenizer, lambda: iter_documents(cfg), lambda key: _eval_score(key, cfg),
+                       verify, progress)
+    if prepared.meta["vocab_size"] != tokenizer.vocab_size:
+        raise UsageError(f"prepared corpus {folder} was tokenized with {prepared.meta['vocab_size']} symbols, "
+                         f"data.tokenizer {cfg.tokenizer} has {tokenizer.vocab_size}")
+    corpus = Corpus(tokenizer, prepared)
     if cache:
-        _CACHE[key] = corpus
+        _CACHE[folder] = corpus
     return corpus
 
 
+def check_vocabulary(tokenizer: Tokenizer, model_vocab: Optional[int], cfg: DataConfig) -> None:
+    """UsageError if `model.vocab_size` (None: taken from the tokenizer) has fewer rows than the tokenizer has
+    symbols: a token id past the embedding would fail the first inner step (or, on a GPU, read garbage)."""
+    if model_vocab is not None and model_vocab < tokenizer.vocab_size:
+        raise UsageError(f"data.tokenizer {cfg.tokenizer} has {tokenizer.vocab_size} symbols, more than "
+                         f"model.vocab_size {model_vocab}: raise model.vocab_size or unset it (then it is the "
+                         "tokenizer's)")
+
+
 # --------------------------------------------------------------------------------------------- shards
-def window_shards(n_windows: int, cfg: DataConfig) -> torch.Tensor:
-    """Shard of each train window k in [0, n_windows): stable_hash(k, seed) % num_shards (int64 tensor)."""
-    return torch.tensor([stable_hash("window", k, cfg.seed) % cfg.num_shards for k in range(n_windows)],
-                        dtype=torch.int64)
+_GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def shard_windows(n_windows: int, cfg: DataConfig, shard: int) -> np.ndarray:
+    """The train windows k in [0, n_windows) of `shard`, in order: those whose splitmix64 hash of (k, seed)
+    modulo `num_shards` is `shard`. Computed a million windows at a time: memory ~ the shard's windows."""
+    base = np.uint64(stable_hash("window", cfg.seed))
+    found = []
+    for start in range(0, n_windows, 1 << 20):
+        k = np.arange(start, min(n_windows, start + (1 << 20)), dtype=np.uint64)
+        x = k * _GOLDEN + base
+        x = (x ^ (x >> np.uint64(30))) * _MIX1
+        x = (x ^ (x >> np.uint64(27))) * _MIX2
+        x ^= x >> np.uint64(31)
+        found.append(k[x % np.uint64(cfg.num_shards) == np.uint64(shard)].astype(np.int64))
+    return np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
 
 
 def shard_index(cfg: DataConfig, run_id: str, peer_name: str) -> int:
@@ -249,22 +288,32 @@ def shard_index(cfg: DataConfig, run_id: str, peer_name: str) -> int:
     return stable_hash("shard", run_id, peer_name, cfg.seed) % cfg.num_shards
 
 
-class TrainBatches:
-    """One shard's training windows; `batch(step)` depends on `step` only, so resumed runs replay exactly.
+PREFETCH_WINDOWS = 256  # windows a peer reads ahead of its position at least (swarm/tokens.py Prefetcher)
 
-    Sample position p = step * batch_size + i reads window `perm_e[p % n]` with epoch e = p // n, where
-    `perm_e` is a permutation of the shard's n windows drawn from a generator seeded by (seed, shard, e):
-    every window is seen once per epoch, and a batch may straddle two epochs.
+
+class TrainBatches:
+    """One shard's training windows in this peer's order, and how far the peer has read them (`position`).
+
+    Sample position p reads window `perm_e[p % n]` with epoch e = p // n, where `perm_e` is a permutation of
+    the shard's n windows drawn from a generator seeded by (seed, shard, e, identity): every window is seen once
+    per epoch, a batch may straddle two epochs, and two peers that share a shard (more peers than shards, or
+    two leases racing) still draw different batch sequences when their identities differ. `identity` is the
+    peer's name (stable across its restarts; its checkpoint records it, swarm/trainer_state.py); "" gives the
+    order of (seed, shard, e) alone. `next_batch()` reads on from `position` (samples drawn so far) and is
+    what a trainer calls; `batch(step)` is the batch at position step * batch_size, a pure function of step.
     """
 
-    def __init__(self, corpus: Corpus | torch.Tensor, cfg: DataConfig, shard: int):
+    def __init__(self, corpus: Corpus | np.ndarray | torch.Tensor, cfg: DataConfig, shard: int, identity: str = "",
+                 position: int = 0):
         if not 0 <= shard < cfg.num_shards:
             raise UsageError(f"data shard {shard} is outside [0, data.num_shards={cfg.num_shards})")
-        stream = corpus.train if isinstance(corpus, Corpus) else corpus
-        self.cfg, self.shard = cfg, shard
+        stream = corpus.train if isinstance(corpus, Corpus) else np.asarray(corpus)
+        self.cfg, self.shard, self.identity, self.position = cfg, shard, identity, position
+        self._prefetch = corpus.prefetch if isinstance(corpus, Corpus) else None
+        self._ahead = position  # samples up to which the windows were read ahead
         total = len(stream) // cfg.seq_len
-        self.tokens = stream[: total * cfg.seq_len].view(total, cfg.seq_len)
-        self.windows = torch.nonzero(window_shards(total, cfg) == shard).flatten()  # global window ids
+        self.tokens = stream[: total * cfg.seq_len].reshape(total, cfg.seq_len)  # a view: nothing read
+        self.windows = torch.from_numpy(shard_windows(total, cfg, shard))  # global window ids
         if len(self.windows) < cfg.batch_size:
             raise UsageError(
                 f"data shard {shard} holds {len(self.windows)} windows of {cfg.seq_len} tokens, fewer than one "
@@ -278,21 +327,52 @@ class TrainBatches:
         """The epoch that the first sample of `batch(step)` belongs to."""
         return step * self.cfg.batch_size // len(self.windows)
 
+    def state(self) -> dict:
+        """Where this peer is in its data: shard, order identity, epoch and offset in it, samples drawn."""
+        n = len(self.windows)
+        return {"shard": self.shard, "identity": self.identity, "epoch": self.position // n,
+                "offset": self.position % n, "samples": self.position}
+
     def _perm(self, epoch: int) -> torch.Tensor:
         if epoch not in self._perms:
             if len(self._perms) >= 4:
                 self._perms.clear()
-            seed = stable_hash("epoch", self.cfg.seed, self.shard, epoch) >> 1  # fits a signed 64-bit seed
+            parts = (self.cfg.seed, self.shard, epoch) + ((self.identity,) if self.identity else ())
+            seed = stable_hash("epoch", *parts) >> 1  # fits a signed 64-bit seed
             self._perms[epoch] = torch.randperm(len(self.windows), generator=torch.Generator().manual_seed(seed))
         return self._perms[epoch]
 
+    def ids_at(self, position: int, count: int) -> list[int]:
+        """Global ids of the `count` windows drawn from sample position `position` on."""
+        n = len(self.windows)
+        return [int(self.windows[self._perm(p // n)[p % n]]) for p in range(position, position + count)]
+
     def window_ids(self, step: int) -> list[int]:
         """Global ids of the windows that make up `batch(step)`."""
-        n, bs = len(self.windows), self.cfg.batch_size
-        return [int(self.windows[self._perm(p // n)[p % n]]) for p in range(step * bs, (step + 1) * bs)]
+        return self.ids_at(step * self.cfg.batch_size, self.cfg.batch_size)
+
+    def batch_at(self, position: int) -> torch.Tensor:
+        """LongTensor [batch_size, seq_len] of the windows drawn from sample position `position` (>= 0) on."""
+        if position < 0:
+            raise ValueError(f"position must be >= 0, got {position}")
+        return torch.from_numpy(self.tokens[self.ids_at(position, self.cfg.batch_size)].astype(np.int64))
 
     def batch(self, step: int) -> torch.Tensor:
-        """LongTensor [batch_size, seq_len] for inner step `step` (>= 0)."""
+        """LongTensor [batch_size, seq_len] for inner step `step` (>= 0) of a peer that read from position 0."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        return self.tokens[self.window_ids(step)].long()
+        return self.batch_at(step * self.cfg.batch_size)
+
+    def next_batch(self) -> torch.Tensor:
+        """The batch at `position`, which then moves on by one batch; the windows of the next
+        max(2 batches, PREFETCH_WINDOWS) samples are read ahead (swarm/tokens.py Prefetcher)."""
+        batch = self.batch_at(self.position)
+        self.position += self.cfg.batch_size
+        if self._prefetch is not None:
+            end = self.position + max(2 * self.cfg.batch_size, PREFETCH_WINDOWS)
+            start = max(self._ahead, self.position)
+            if end > start:
+                L = self.cfg.seq_len
+                self._prefetch.ahead([k * L for k in self.ids_at(start, end - start)], L)
+                self._ahead = end
+        return batch

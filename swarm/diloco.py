@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 import torch
 
 from swarm.config import OuterConfig
+from swarm.sharding import Layout, Shards, local_params
 from swarm.tensors import all_finite
 
 
@@ -58,19 +59,43 @@ class PseudoGradient:
         return all(all_finite(t) for t in self.local_params)
 
 
+class Gathered(PseudoGradient):
+    """A pseudo-gradient held whole (a sharded peer's, gathered on its rank 0: swarm/sharding.py), read like a
+    lazy one."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        self.values = list(tensors)
+        self.shapes = [t.shape for t in self.values]
+
+    def read(self, index: int, start: int, end: int) -> torch.Tensor:
+        return self.values[index].reshape(-1)[start:end].clone()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.values
+
+    def is_finite(self) -> bool:
+        return all(all_finite(t) for t in self.values)
+
+
 class DiLoCo:
-    def __init__(self, model: torch.nn.Module, cfg: OuterConfig, global_device: str = "cpu", mix_alpha: float = 0.0):
-        self.model, self.mix_alpha = model, mix_alpha  # diloco.mix_alpha: how much local model a landing keeps
-        self.params = [p for p in model.parameters() if p.requires_grad]
+    """`shards` (a sharded peer, swarm/sharding.py): `params` are this rank's rows of the model's parameters, and
+    the global parameters and outer momentum are those rows too; `layout` holds the whole tensors' shapes."""
+
+    def __init__(self, model: torch.nn.Module, cfg: OuterConfig, global_device: str = "cpu", mix_alpha: float = 0.0,
+                 shards: Optional[Shards] = None):
+        self.model, self.mix_alpha, self.shards = model, mix_alpha, shards  # mix_alpha: what a landing keeps
+        if shards is None:
+            self.params = [p for p in model.parameters() if p.requires_grad]
+            self.layout: Layout = Layout(tuple(p.shape for p in self.params))
+        else:
+            self.params, self.layout = local_params(model), shards.layout
         self.global_params = [p.detach().to(global_device, torch.float32, copy=True) for p in self.params]
         self.outer_optimizer = torch.optim.SGD(
             self.global_params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0,
             foreach=False,
         )
-        self.round = 0  # rounds committed so far
-        # Outer steps committed so far, on any fragment (swarm/fragments.py): where this peer stands in the swarm's
-        # records. With one fragment every outer step closes a round, so it equals `round`.
-        self.outer_steps = 0
+        self.round = 0  # rounds closed so far
+        self.outer_steps = 0  # outer steps committed so far, on any fragment (swarm/__init__.py)
         self.version = 0
         self._sha256: Optional[str] = None  # hash of global_params; reset whenever they change
 
@@ -103,6 +128,8 @@ class DiLoCo:
                 g.grad = None
             self.round += closes_round
             self.outer_steps += 1
+        if self.shards is not None:  # a collective: every rank steps here, and the hash is ready for any reader
+            self.global_sha256()
         if keep_local:
             return
         for i in indices:
@@ -157,13 +184,22 @@ class DiLoCo:
             p.copy_(g.to(p.device, p.dtype))
 
     def global_sha256(self) -> str:
-        """Hash of the global parameters' bytes: equal on every peer that committed the same rounds."""
+        """Hash of the global parameters' bytes: equal on every peer that committed the same rounds. A sharded
+        peer's ranks compute it together (`Shards.sha256`), where it is not known yet at the same point."""
+        if self._sha256 is None and self.shards is not None:
+            self._sha256 = self.shards.sha256(self.global_params)
         if self._sha256 is None:
             digest = hashlib.sha256()
             for g in self.global_params:
                 digest.update(memoryview(g.detach().cpu().contiguous().numpy()).cast("B"))
             self._sha256 = digest.hexdigest()
         return self._sha256
+
+
+    def known_sha256(self) -> Optional[str]:
+        """`global_sha256()` where no collective is needed (always on an unsharded peer); else None: for paths
+        that only some ranks take (a peer that failed)."""
+        return self.global_sha256() if self.shards is None else self._sha256
 
 
 class _Changing:

@@ -5,6 +5,9 @@
 a corrupt checkpoint, state that fails its checks).
 """
 
+import signal
+from typing import Callable
+
 from swarm.config import ConfigError
 
 
@@ -29,3 +32,17 @@ def exit_code(error: BaseException) -> int:
     if isinstance(error, ConfigError):
         return 2
     return getattr(error, "exit_code", 1)
+
+
+def stop_on(*signals: int) -> Callable[[], None]:
+    """From now on `signals` stop this process like Ctrl-C (`Stopped`, raised in the main thread), so that it
+    shuts down cleanly; returns what puts the previous handlers back."""
+    def stop(signum, frame):
+        raise Stopped(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in signals}
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return restore

@@ -27,19 +27,15 @@ keep those inner steps where the paper's a = 0 drops them. a = 0 (the default) i
 moves the local model (its drift goes into the fragment's next pseudo-gradient). F = 1 with a = 0 is exactly
 the single exchange per round of swarm/trainer.py.
 
-Transactions and hashes: an exchange commits the same bytes on every member of its group or is discarded; a
-discarded fragment keeps its local progress, and its next exchange (next round) covers both. Every committed
-exchange is an outer step (`DiLoCo.outer_steps`, which counts them on any fragment; `DiLoCo.round` counts those
-that closed a round), and a peer's place in the swarm is its count of outer steps: the averager keys an exchange
-by it (`Averager.average`'s `round`), and over a network the progress records, commit records, state offers and
-downloads speak of it wherever they say "round" (swarm/net). With F = 1 it is the round itself. So after every
-committed exchange, mid-round ones too, the peer records the global hash it committed and serves its state, and
-peers at one count of outer steps hold one hash, or the minority takes the majority's state, as whole rounds do.
-A peer that learns from a mid-round exchange that it is behind takes the swarm's state at once, with the inner
-step of the round the donor was at when it committed (the state's `inner`), and goes on from there: its next
-exchange meets the others'. A round closes with its last fragment, and only then is a checkpoint written; it
-holds the global parameters only, so a resumed peer restarts its local model from them at the round's first
-inner step (as with `diloco.delay`), dropping the local progress of fragments since their last exchange.
+Transactions and hashes: every exchange, mid-round ones too, is an outer step that commits the same bytes on every
+member of its group or is discarded (the words: swarm/__init__.py). A discarded fragment keeps its local progress,
+and its next exchange (next round) covers both. After every committed exchange the peer records the global hash it
+committed and serves its state. A peer that a mid-round exchange finds behind takes the swarm's state at once,
+with the inner step of the round the donor was at when it committed (the state's `inner`), and goes on from there:
+its next exchange meets the others'. A round closes with its last fragment, and only then is a checkpoint
+written; it holds the global parameters only, so a resumed peer restarts its local model from them at the
+round's first inner step (as with `diloco.delay`), dropping the local progress of fragments since their last
+exchange.
 
 Stragglers: as with one fragment, a peer whose groupmates finished their round and wait to average ends its round
 early (`others_ready`), but only after the round's last mid-round exchange landed (`may_stop_early`): peers of
@@ -47,27 +43,20 @@ unequal speed realign once per round. Between, a faster peer waits for a slower 
 matchmaking time, then it goes without it, and the slower peer takes the state at its next exchange).
 
 Multi-process peers (--nproc-per-node > 1): every rank runs the same fragments at the same inner steps; rank 0
-averages, and its outcomes, mid-round ones too, and any state a mid-round exchange makes it take (with its
-position: round, step, outer steps, inner step) reach the other ranks in the training thread (swarm/ranks.py).
+averages and the trainer hands its outcomes, and any state it takes, to the other ranks (swarm/ranks.py).
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from swarm.averaging import Averager, RoundOutcome
 from swarm.config import ConfigError, DilocoConfig
-from swarm.diloco import DiLoCo, PseudoGradient
-from swarm.history import RoundRecord
-from swarm.overlap import Exchange
+from swarm.diloco import DiLoCo, Gathered, PseudoGradient
 
 log = logging.getLogger("swarm.fragments")
-_TOTALS = ("comm_s", "allreduce_s", "wait_s", "bytes_sent", "bytes_received")  # RoundRecord fields summed
 
 
 def partition(numels: Sequence[int], parts: int) -> list[list[int]]:
@@ -92,19 +81,9 @@ def sync_steps(inner_steps: int, fragments: int) -> list[int]:
     return [(f + 1) * inner_steps // fragments for f in range(fragments)]
 
 
-@dataclass
-class TrainerHooks:
-    """What the fragments ask of the trainer they run in."""
-
-    before_change: Callable[[], None]  # the global parameters change next: settle a checkpoint still reading them
-    note: Callable[[dict], None]  # a history event
-    catch_up: Callable[[Optional[list[str]]], object]  # take the swarm's state (from these donors if given)
-    committed: Callable[[], None]  # a mid-round exchange committed: record and serve the state it made
-
-
 class Fragment:
-    """Fragment `index` of `count`: tensors `indices` of a DiLoCo, seen through the attributes `Exchange` and the
-    trainer's round close use (params, global_params, round, outer_grads, outer_step, ...)."""
+    """Fragment `index` of `count`: tensors `indices` of a DiLoCo, seen through the attributes an `Exchange` uses
+    (params, global_params, outer_grads, outer_step, ...)."""
 
     def __init__(self, diloco: DiLoCo, index: int, count: int, indices: Sequence[int]):
         self.diloco, self.index, self.count, self.indices = diloco, index, count, list(indices)
@@ -113,17 +92,40 @@ class Fragment:
         self.commits = 0  # this fragment's outer steps in this process
 
     @property
-    def round(self) -> int:
-        """What the averager keys this exchange by: the outer steps committed so far (module docstring)."""
-        return self.diloco.outer_steps
-
-    @property
     def mix_alpha(self) -> float:
         return self.diloco.mix_alpha
 
-    def pseudo_gradient(self, residual: Optional[Sequence[torch.Tensor]] = None) -> PseudoGradient:
-        mine = None if residual is None else [residual[i] for i in self.indices]
-        return PseudoGradient(self.global_params, self.params, mine)
+    def pseudo_gradient(self, residual: Optional[Sequence[torch.Tensor]] = None,
+                        local: Optional[Sequence[torch.Tensor]] = None) -> PseudoGradient:
+        """global - local (default: the local model) + `residual` (shaped like this fragment's tensors: what the
+        averager's `RoundOutcome.residual` gave for it). A sharded peer's: this rank's rows, without the residual
+        (`wire` adds it, whole, on rank 0)."""
+        mine = None if self.diloco.shards else residual
+        return PseudoGradient(self.global_params, self.params if local is None else local, mine)
+
+    def wire(self, pseudo_grad: PseudoGradient, out: list[torch.Tensor],
+             residual: Optional[Sequence[torch.Tensor]] = None) -> tuple[PseudoGradient, list[torch.Tensor]]:
+        """What the averager reads and writes: `pseudo_grad` and `out` themselves, or on a sharded peer (every rank
+        at once) the pseudo-gradient gathered whole on rank 0, plus `residual` there, and whole buffers for its
+        average (swarm/sharding.py). The other ranks' averager never reads them."""
+        shards = self.diloco.shards
+        if shards is None:
+            return pseudo_grad, out
+        whole = []
+        for j, i in enumerate(self.indices):
+            got = shards.gather(i, pseudo_grad.read(j, 0, self.params[j].numel()))
+            if got is not None:
+                got = got.view(shards.layout.shapes[i])
+                whole.append(got if residual is None else got.add_(residual[j].to(got.device)))
+        if not shards.root:
+            return pseudo_grad, out
+        return Gathered(whole), [torch.empty_like(t) for t in whole]
+
+    def unwire(self, averaged: Optional[Sequence[torch.Tensor]], out: Sequence[torch.Tensor]) -> None:
+        """A sharded peer (every rank at once): each rank's rows of the average (whole on rank 0) into its `out`."""
+        shards = self.diloco.shards
+        for j, i in enumerate(self.indices):
+            shards.scatter(i, None if averaged is None else averaged[j], out[j])
 
     def outer_grads(self) -> list[torch.Tensor]:
         return [torch.empty_like(g) for g in self.global_params]
@@ -147,103 +149,38 @@ class Fragment:
 
 
 class Fragments:
-    """One peer's fragments and their schedule. The last fragment's exchange is the round's own (the trainer
-    closes the round with it, `boundary`); the others start and land between the round's inner steps here."""
+    """One peer's fragments and their schedule: which exchanges land and start between two inner steps. A schedule
+    only: the trainer runs the exchanges and decides their outcomes (swarm/trainer.py)."""
 
-    def __init__(self, diloco: DiLoCo, cfg: DilocoConfig, averager: Averager, trainer: TrainerHooks):
-        groups = partition([p.numel() for p in diloco.params], cfg.fragments)
+    def __init__(self, diloco: DiLoCo, cfg: DilocoConfig):
+        groups = partition(diloco.layout.numels, cfg.fragments)  # the whole tensors' sizes, sharded or not
         self.all = [Fragment(diloco, f, cfg.fragments, g) for f, g in enumerate(groups)]
-        self.boundary = self.all[-1]
+        self.last = self.all[-1]  # its exchange closes the round
         self.starts = sync_steps(cfg.inner_steps, cfg.fragments)
-        self.delay, self.averager = cfg.delay, averager
-        self.trainer = trainer
-        self.samples = [0] * len(self.all)  # per mid-round fragment: samples its next pseudo-gradient covers
-        self.pending: Optional[tuple[Fragment, Exchange, int]] = None  # in flight, lands after inner step [2]
-        self.totals = dict.fromkeys(_TOTALS, 0.0)  # of the mid-round exchanges since the last round closed
+        self.delay = cfg.delay
+        # after which inner step of a round each exchange lands: the last fragment's `delay` steps into the next
+        self.lands = [s + self.delay for s in self.starts[:-1]] + [self.delay]
         if cfg.fragments > 1:
             log.info("%d fragments of %s tensors (%s elements), exchanges after inner steps %s of each round",
                      len(self.all), [len(g) for g in groups],
-                     [sum(diloco.params[i].numel() for i in g) for g in groups], self.starts)
+                     [sum(diloco.layout.numels[i] for i in g) for g in groups], self.starts)
 
     @property
     def streaming(self) -> bool:
         """More than one fragment: exchanges happen inside the round too."""
         return len(self.all) > 1
 
+    def due(self, done: int) -> list[tuple[str, Fragment]]:
+        """What follows inner step `done` of a round, in order: ("land", f) for a delayed exchange due to land,
+        then ("start", f) for a mid-round fragment's exchange, with ("land", f) right after it when nothing delays
+        it. The last fragment's exchange starts when the round ends (`Trainer`), which may be before H."""
+        events = [("land", f) for f in self.all if self.delay and self.lands[f.index] == done]
+        for f in self.all[:-1]:
+            if self.starts[f.index] == done:
+                events += [("start", f)] if self.delay else [("start", f), ("land", f)]
+        return events
+
     def may_stop_early(self, done: int) -> bool:
         """Whether a round may end after `done` inner steps (a straggler meeting peers that wait to average):
         only once every mid-round exchange of the round has landed, so that each still covers its H steps."""
-        return not self.streaming or (self.pending is None and done >= self.starts[-2] + self.delay)
-
-    def restart(self) -> None:
-        """The local model was reset to the global parameters (resumed or downloaded): no local progress, and no
-        exchange in flight (a state is taken only once the exchange that found us behind has returned)."""
-        self.samples = [0] * len(self.all)
-        self.pending = None
-
-    def after_inner_step(self, done: int, samples: int) -> float:
-        """`done` inner steps of this round were taken, the last on `samples` samples: land the mid-round
-        exchange due now, start the one due now. Returns the seconds this took (the inner steps stood still).
-        An exchange that finds this peer behind takes the swarm's state: the trainer's inner step moves."""
-        start = time.perf_counter()
-        self.samples = [s + samples for s in self.samples]
-        if self.pending is not None and done == self.pending[2]:
-            pending, self.pending = self.pending, None
-            if not self._settle(*pending[:2]):
-                return time.perf_counter() - start
-        for fragment in self.all[:-1]:
-            if done != self.starts[fragment.index]:
-                continue
-            f = fragment.index
-            if self.delay:
-                self.pending = (fragment, Exchange(fragment, self.averager, self.samples[f], None), done + self.delay)
-                continue
-            out = fragment.outer_grads()
-            outcome = self.averager.average(fragment.round, fragment.pseudo_gradient(), self.samples[f], out,
-                                            fragment.global_sha256())
-            self._count(outcome)
-            if outcome.averaged is not None:
-                self.trainer.before_change()
-                fragment.outer_step(outcome.averaged)
-                self.samples[f] = 0
-                self.trainer.committed()
-            elif not self._discarded(fragment, outcome):
-                break
-        return time.perf_counter() - start
-
-    def _settle(self, fragment: Fragment, exchange: Exchange) -> bool:
-        """Land or drop the exchange in flight; False if it found this peer behind (the state was taken)."""
-        outcome, wait_s = exchange.result()
-        self._count(outcome, wait_s)
-        if outcome.averaged is not None:
-            self.trainer.before_change()
-            exchange.land(fragment, outcome.averaged)
-            self.samples[fragment.index] -= exchange.samples  # what the inner steps since its start add stays
-            self.trainer.committed()
-            return True
-        exchange.drop(fragment)
-        return self._discarded(fragment, outcome)
-
-    def _count(self, outcome: RoundOutcome, wait_s: float = 0.0) -> None:
-        for key, value in [("comm_s", outcome.comm_s), ("allreduce_s", outcome.allreduce_s), ("wait_s", wait_s),
-                           ("bytes_sent", outcome.bytes_sent), ("bytes_received", outcome.bytes_received)]:
-            self.totals[key] += value
-
-    def fold_into(self, record: RoundRecord) -> None:
-        """Add the mid-round exchanges since the last round closed to the record of the round closing now."""
-        for key, value in self.totals.items():
-            setattr(record, key, type(getattr(record, key))(getattr(record, key) + value))
-        self.totals = dict.fromkeys(_TOTALS, 0.0)
-
-    def _discarded(self, fragment: Fragment, outcome: RoundOutcome) -> bool:
-        """A mid-round exchange that did not commit: behind the swarm, take its state (False); else keep the
-        fragment's local progress for its next exchange (True)."""
-        if outcome.behind:
-            log.warning("round %d: fragment %d: %s", fragment.diloco.round + 1, fragment.index, outcome.note)
-            self.trainer.catch_up(outcome.donors or None)
-            return False
-        log.warning("round %d: fragment %d's exchange discarded (%s): keeping its local progress for the next one",
-                    fragment.diloco.round + 1, fragment.index, outcome.note)
-        self.trainer.note({"event": "fragment_discarded", "time": time.time(), "round": fragment.diloco.round,
-                           "fragment": fragment.index, "note": outcome.note})
-        return True
+        return not self.streaming or done >= self.lands[-2]

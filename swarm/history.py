@@ -16,7 +16,7 @@ from swarm.diloco import DiLoCo, PseudoGradient
 class RoundRecord:
     """What one committed (or discarded) round leaves in the log and in summary.json."""
 
-    round: int  # the outer step this record closes (1-based after commit)
+    round: int  # rounds closed when it was written: the round's number if it committed
     committed: bool
     train_loss: float
     eval_loss: Optional[float]
@@ -45,6 +45,7 @@ class PeerHistory:
     events: list[dict[str, Any]] = field(default_factory=list)
     final_round: int = 0  # the round and hash this peer holds now: committed, resumed or downloaded
     final_global_sha256: Optional[str] = None
+    data: dict[str, Any] = field(default_factory=dict)  # swarm/peerdata.py report(): shard, samples, overlap
 
 def history_to_dict(history: PeerHistory) -> dict[str, Any]:
     return {**history.__dict__, "rounds": [r.__dict__ for r in history.rounds]}

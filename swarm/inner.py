@@ -68,11 +68,15 @@ def forward_backward(model: torch.nn.Module, batch: torch.Tensor, micro_batch_si
                      precision: Callable[[], ContextManager]) -> torch.Tensor:
     """Accumulate into `.grad` the gradient of the mean loss over `batch`, `micro_batch_size` sequences per
     pass; return that loss (a 0-d tensor, not synced). Every sequence has the same number of tokens, so the
-    mean of the micro-batches' mean losses is the whole batch's mean loss. `model` may be a DDP module."""
+    mean of the micro-batches' mean losses is the whole batch's mean loss. `model` may be a DDP module or an FSDP2
+    one (swarm/sharding.py)."""
     parts = batch.split(micro_batch_size)
     total = torch.zeros((), device=batch.device)
+    sync = getattr(model, "set_requires_gradient_sync", None)  # FSDP2's no_sync
     for i, part in enumerate(parts):
-        last = i == len(parts) - 1  # under DDP, gradients are all-reduced once, in the last backward pass
+        last = i == len(parts) - 1  # under DDP or FSDP, gradients are reduced once, in the last backward pass
+        if sync is not None:
+            sync(last)
         with contextlib.nullcontext() if last else getattr(model, "no_sync", contextlib.nullcontext)():
             with precision():
                 loss = model(input_ids=part, labels=part).loss / len(parts)
@@ -90,4 +94,6 @@ def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: str,
         with precision():
             losses.append(model(input_ids=b.to(device), labels=b.to(device)).loss.item())
     model.train()
+    if hasattr(model, "reshard"):  # FSDP2 keeps the root's gathered parameters after a forward with no backward:
+        model.reshard()  # drop them, or the next forward would miss what is written to the shards meanwhile
     return sum(losses) / len(losses)

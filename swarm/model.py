@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from swarm.config import ModelConfig
-from swarm.errors import UsageError
 
 
-def build_model(cfg: ModelConfig, vocab_size: int) -> PreTrainedModel:
-    """A seeded random-init Llama (every peer of a run builds the same weights), or a pretrained model; fp32
-    either way (the weights AdamW updates; `inner.precision: bf16` computes in bf16 under autocast)."""
+def build_model(cfg: ModelConfig, vocab_size: int, tokenizer: str = "bytes") -> PreTrainedModel:
+    """A seeded random-init Llama (every peer of a run builds the same weights), or the model of a Hugging Face
+    folder (swarm/pretrained.py: its embedding must fit `tokenizer`'s `vocab_size`); fp32 either way (the
+    weights AdamW updates; `inner.precision: bf16` computes in bf16 under autocast)."""
     if cfg.pretrained is not None:
-        try:
-            return AutoModelForCausalLM.from_pretrained(cfg.pretrained, dtype=torch.float32)
-        except (OSError, ValueError) as e:
-            raise UsageError(f"cannot load model.pretrained {cfg.pretrained!r}: {str(e).splitlines()[0]}") from None
+        from swarm.pretrained import load
+
+        return load(cfg, vocab_size, tokenizer)
     config = LlamaConfig(
         vocab_size=cfg.vocab_size or vocab_size,
         hidden_size=cfg.hidden_size,

@@ -30,76 +30,96 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
 from swarm.averaging import Averager, RoundOutcome
-from swarm.diloco import DiLoCo, PseudoGradient
+
+if TYPE_CHECKING:
+    from swarm.fragments import Fragment
 
 
 class Exchange:
-    """One round's averaging, started at once in a daemon thread (a peer that stops does not wait for it; every
-    wait inside `Averager.average` ends on its own time-outs). `diloco` may be one fragment of the parameters
-    (swarm/fragments.py `Fragment`); its `round` is then the fragment's exchange index."""
+    """One exchange of a fragment's pseudo-gradient (swarm/fragments.py; with one fragment, all tensors).
 
-    def __init__(self, diloco: DiLoCo, averager: Averager, samples: int,
-                 residual: Optional[Sequence[torch.Tensor]], **round_facts):
+    Blocking (`delay` 0): averaged in the training thread when its result is asked for, at once; the local model
+    stays as it is until the exchange lands. Delayed: the local parameters are snapshotted, the average starts
+    at once in a daemon thread (a peer that stops does not wait for it; every wait inside `Averager.average` ends
+    on its own time-outs), and the local model resumes from its own outer step (module docstring).
+
+    The trainer decides what an outcome means (`Trainer._settle`); an exchange only moves the parameters:
+    `land` on a commit, `drop` on a discard."""
+
+    def __init__(self, fragment: Fragment, averager: Averager, samples: int,
+                 residual: Optional[Sequence[torch.Tensor]], delayed: bool):
         start = time.perf_counter()
-        self.round, self.samples, self.facts, self.dump = diloco.round, samples, round_facts, None
-        with torch.no_grad():
-            self.snapshot = [p.detach().to(g.device, torch.float32, copy=True)
-                             for p, g in zip(diloco.params, diloco.global_params)]
-        self.pseudo_grad = pseudo_grad = PseudoGradient(diloco.global_params, self.snapshot, residual)
-        self.averager, self.out = averager, diloco.outer_grads()  # the trainer frees `out` once the round closed
+        self.fragment, self.averager, self.samples, self.delayed = fragment, averager, samples, delayed
+        self.outer_step = fragment.diloco.outer_steps  # what the swarm keys this exchange by
+        self.base = fragment.global_sha256()
+        self.out = fragment.outer_grads()  # the averaged pseudo-gradient lands here (a sharded peer: its rows)
+        self.snapshot: Optional[list[torch.Tensor]] = None
         self.outcome: Optional[RoundOutcome] = None
         self.error: Optional[BaseException] = None
         self._done = threading.Event()
-        base = diloco.global_sha256()
-
-        def run() -> None:
-            try:
-                self.outcome = averager.average_in_background(self.round, pseudo_grad, samples, self.out, base)
-            except BaseException as e:  # handed to the training thread by result()
-                self.error = e
-            finally:
-                self._done.set()
-
-        threading.Thread(target=run, name=f"exchange-round-{self.round + 1}", daemon=True).start()
+        if not delayed:
+            self.pseudo_grad, self.wire_out = fragment.wire(fragment.pseudo_gradient(residual), self.out, residual)
+            self.launch_s = 0.0
+            return
+        with torch.no_grad():
+            self.snapshot = [p.detach().to(g.device, torch.float32, copy=True)
+                             for p, g in zip(fragment.params, fragment.global_params)]
+        self.pseudo_grad, self.wire_out = fragment.wire(fragment.pseudo_gradient(residual, self.snapshot), self.out,
+                                                        residual)
+        threading.Thread(target=self._average, name=f"exchange-outer-step-{self.outer_step + 1}", daemon=True).start()
         with torch.no_grad():  # the local model resumes from its own outer step (module docstring)
-            for i, p in enumerate(diloco.params):
-                p.copy_(self._start(diloco, i))
+            for i, p in enumerate(fragment.params):
+                p.copy_(self._start(i))
         self.launch_s = time.perf_counter() - start  # snapshot and resume point: time the inner steps do not run
 
-    def _start(self, diloco: DiLoCo, index: int) -> torch.Tensor:
+    def _average(self) -> None:
+        try:
+            self.outcome = self.averager.average(self.outer_step, self.pseudo_grad, self.samples, self.wire_out,
+                                                 self.base)
+        except BaseException as e:  # handed to the training thread by result()
+            self.error = e
+        finally:
+            self._done.set()
+
+    def _start(self, index: int) -> torch.Tensor:
         """Where the local model resumed from at launch: the outer step on its own pseudo-gradient. Computed from
-        the snapshot, the global parameters and the outer momentum, none of which change before the round closes."""
-        return diloco.own_outer_step(index, self.snapshot[index])
-
-    @torch.no_grad()
-    def land(self, diloco: DiLoCo, averaged: Sequence[torch.Tensor]) -> None:
-        """Commit: the outer step on the global parameters, local += (1 - mix_alpha) (new global - where it
-        resumed from); mix_alpha 0 (the default) takes the group's step fully."""
-        keep = 1 - diloco.mix_alpha
-        for i, p in enumerate(diloco.params):
-            p.sub_(self._start(diloco, i).to(p.device, p.dtype), alpha=keep)
-        diloco.outer_step(averaged, keep_local=True)
-        for p, g in zip(diloco.params, diloco.global_params):
-            p.add_(g.to(p.device, p.dtype), alpha=keep)
-
-    @torch.no_grad()
-    def drop(self, diloco: DiLoCo) -> None:
-        """Discard: the local model keeps its own progress, local += snapshot - where it resumed from."""
-        for i, p in enumerate(diloco.params):
-            p.add_((self.snapshot[i] - self._start(diloco, i)).to(p.device, p.dtype))
+        the snapshot, the global parameters and the outer momentum, none of which change before it lands."""
+        return self.fragment.own_outer_step(index, self.snapshot[index])
 
     def result(self) -> tuple[RoundOutcome, float]:
-        """The outcome (re-raising what the exchange raised) and how long this call waited for it. Called in
-        the training thread: a multi-process peer's ranks take rank 0's outcome here (`share_outcome`)."""
+        """The outcome (re-raising what the exchange raised) and how long the training thread waited for it (a
+        blocking exchange averages now: that time is the round's communication, not a wait)."""
         start = time.perf_counter()
+        if not self.delayed:
+            self._average()
         self._done.wait()
         if self.error is not None:
             raise self.error
-        waited = time.perf_counter() - start
-        self.outcome = self.averager.share_outcome(self.outcome, self.out)
-        return self.outcome, waited
+        return self.outcome, (time.perf_counter() - start if self.delayed else 0.0)
+
+    @torch.no_grad()
+    def land(self, averaged: Sequence[torch.Tensor]) -> None:
+        """Commit: the fragment's outer step on the global parameters. Delayed: local += (1 - mix_alpha) (new global
+        - where it resumed from); blocking: local <- new global (mixed with mix_alpha of itself)."""
+        fragment = self.fragment
+        if not self.delayed:
+            fragment.outer_step(averaged)
+            return
+        keep = 1 - fragment.mix_alpha
+        for i, p in enumerate(fragment.params):
+            p.sub_(self._start(i).to(p.device, p.dtype), alpha=keep)
+        fragment.outer_step(averaged, keep_local=True)
+        for p, g in zip(fragment.params, fragment.global_params):
+            p.add_(g.to(p.device, p.dtype), alpha=keep)
+
+    @torch.no_grad()
+    def drop(self) -> None:
+        """Discard: the local model keeps its own progress (delayed: local += snapshot - where it resumed from)."""
+        if self.delayed:
+            for i, p in enumerate(self.fragment.params):
+                p.add_((self.snapshot[i] - self._start(i)).to(p.device, p.dtype))

@@ -1,26 +1,26 @@
 """A peer made of several processes (ranks): DDP inside the peer, one swarm endpoint for the outer exchange.
 
-Launch: `torchrun --nproc-per-node K -m swarm.cli peer ...` (or `swarm peer --nproc-per-node K ...`, which
-runs exactly that). Every rank builds the same model (seeded init), trains on its own slice of each batch
-of the peer's data shard, and DDP averages the gradients at every inner step, so every rank holds the same
-local model and computes the same pseudo-gradient. Rank 0 is the peer's one swarm endpoint: it alone joins
-the DHT, averages the pseudo-gradient with the other peers, writes checkpoints and serves state. What rank
-0 learns from the swarm, the other ranks learn from it (`RankAverager`):
+Launch: `swarm peer --nproc-per-node K ...` (peers/launch.py forks the K ranks with torchrun's environment), or
+`torchrun --nproc-per-node K -m swarm.cli peer ...`. Every rank builds the same model (seeded init), trains on its
+own slice of each batch of the peer's data shard, and DDP averages the gradients at every inner step, so every rank
+holds the same local model and computes the same pseudo-gradient. Rank 0 is the peer's one swarm endpoint: it alone
+joins the DHT, averages the pseudo-gradient with the other peers, writes checkpoints and serves state. What rank 0
+learns from the swarm, the other ranks learn from it, through collectives the trainer calls at the same points of
+every rank's training thread (the other ranks average with a `Follower`, which never talks):
 
-- at every inner step, whether peers wait to average (so every rank stops at the same step);
-- at the round's end, the outcome and, if it committed, the averaged pseudo-gradient: every rank then
-  takes the same outer step and holds the same global parameters. With `diloco.delay` rank 0 averages in a
-  background thread while every rank runs the next inner steps, and the ranks take its outcome when the round
-  settles (`share_outcome`, in the training thread: the background thread runs no collective); with
-  `diloco.fragments` the same holds for every fragment's exchange, mid-round ones too;
-- after a resume or a state download, every tensor of rank 0's state and its position (`share_state`).
+- at every inner step, whether peers wait to average (`share`: every rank stops at the same step);
+- where an exchange settles (`Trainer._settle`), its outcome and, if it committed, the averaged pseudo-gradient
+  (`share_outcome`): every rank then takes the same outer step and holds the same global parameters. A delayed
+  exchange averages in a background thread on rank 0, which runs no collective;
+- a state fetched from the swarm, or its failure (`answer`), then every tensor of rank 0's state and its
+  position, after a resume or a download (`share_state`).
 
-A rank that dies ends the whole peer: torchrun stops the other ranks and exits non-zero, and the swarm
-sees one peer leave. The restarted peer resumes from rank 0's checkpoint or catches up like any other.
+A rank that dies ends the whole peer: the launcher (or torchrun) stops the other ranks and exits non-zero,
+and the swarm sees one peer leave. The restarted peer resumes from rank 0's checkpoint or catches up like any other.
 
-Sharded peers (FSDP2 `fully_shard`, for models that do not fit one device) are the next step: each rank
-would average its own shard with the same rank of the other peers and the round would commit only if
-every shard committed; not built yet.
+Sharded peers (`inner.parallel: fsdp`, for models that do not fit one device): FSDP2 instead of DDP, and each
+rank holds only its rows of the outer state; rank 0 stays the one endpoint, the pseudo-gradient reaches it and
+the average leaves it one tensor at a time (swarm/sharding.py).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from swarm.averaging import Averager, Download, Intake, RoundOutcome, Snapshot
+from swarm.averaging import Averager, Download, Intake, RoundOutcome
 from swarm.config import Config
 from swarm.diloco import PseudoGradient
 from swarm.errors import SwarmError, UsageError
@@ -49,13 +49,18 @@ class Ranks:
 
     @classmethod
     def from_env(cls, environ: Optional[dict[str, str]] = None) -> Ranks:
-        """From torchrun's RANK / WORLD_SIZE / LOCAL_RANK (one rank if they are not set)."""
+        """From the launcher's (or torchrun's) RANK / WORLD_SIZE / LOCAL_RANK (one rank if they are not set)."""
         env = os.environ if environ is None else environ
         return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def cpu_group(self) -> Any:
+        """The gloo process group over the ranks (CPU tensors and small objects), once `init` ran."""
+        return self._cpu_group
 
     @property
     def endpoint(self) -> bool:
@@ -91,9 +96,9 @@ class Ranks:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
 
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The module inner steps run: DDP over the ranks, or the model itself."""
-        if not self.distributed:
+    def wrap(self, model: torch.nn.Module, sharded: bool = False) -> torch.nn.Module:
+        """The module inner steps run: DDP over the ranks, or the model itself (alone, or sharded by FSDP)."""
+        if not self.distributed or sharded:
             return model
         from torch.nn.parallel import DistributedDataParallel
 
@@ -114,9 +119,9 @@ class Ranks:
         return value / self.world_size
 
     def averager(self, endpoint: Optional[Averager], networked: bool) -> Averager:
-        """What this rank's trainer averages with: `endpoint` itself in a one-process peer, else a RankAverager
-        (rank 0 passes its endpoint, the other ranks None)."""
-        return RankAverager(self, endpoint, networked) if self.distributed else endpoint
+        """What this rank's trainer averages with: rank 0 passes its endpoint (the swarm) and gets it back; the
+        other ranks pass None and get a `Follower`."""
+        return endpoint if self.endpoint else Follower(networked)
 
     def share(self, value: Any) -> Any:
         """Rank 0's `value` (a small picklable object) on every rank."""
@@ -130,6 +135,65 @@ class Ranks:
         """Overwrite `tensor` with rank 0's, in place."""
         if self.distributed:
             dist.broadcast(tensor, src=0, group=self._group_of(tensor))
+
+    def share_outcome(self, outcome: RoundOutcome, out: Sequence[torch.Tensor],
+                      scatter: Optional[Callable[[Optional[Sequence[torch.Tensor]], Sequence[torch.Tensor]], None]]
+                      = None) -> RoundOutcome:
+        """Rank 0's outcome of an exchange on every rank: its summary, then the averaged pseudo-gradient into `out`
+        if it committed (a sharded peer: `scatter(whole average or None, out)` puts each rank's rows of it in its
+        `out`, and the outcome carries `out`; rank 0 keeps its residual). Called in the training thread (never in
+        an exchange's thread: collectives from two threads on one process group would interleave)."""
+        if not self.distributed:
+            return outcome
+        if self.endpoint:
+            self.share((dataclasses.replace(outcome, averaged=None, residual=None), outcome.averaged is not None))
+            if scatter is not None and outcome.averaged is not None:
+                scatter(outcome.averaged, out)
+                return dataclasses.replace(outcome, averaged=out)
+            for t in outcome.averaged or []:
+                self.broadcast(t)
+            return outcome
+        brief, committed = self.share(None)
+        if committed:
+            if scatter is not None:
+                scatter(None, out)
+            else:
+                for t in out:
+                    self.broadcast(t)
+        return dataclasses.replace(brief, averaged=out if committed else None)
+
+    def answer(self, ask: Callable[[], Any]) -> Any:
+        """Rank 0's `ask()` on every rank (the other ranks do not call it), or the SwarmError it raised, raised on
+        every rank."""
+        if not self.distributed:
+            return ask()
+        got, error = None, None
+        if self.endpoint:
+            try:
+                got = ask()
+            except SwarmError as e:
+                error = str(e)
+        got, error = self.share((got, error))
+        if error is not None:
+            raise SwarmError(error)
+        return got
+
+    def share_state(self, tensors: Callable[[], dict[str, torch.Tensor]],
+                    destinations: Callable[[list], dict[str, torch.Tensor]], position: tuple,
+                    sharded: bool = False) -> Optional[tuple]:
+        """Every rank takes rank 0's state: its tensors (by name, into `destinations(specs)` on the other
+        ranks; not on a sharded peer, whose ranks each hold their own rows) and its `position`, which is returned
+        on every rank. None on a single-process peer."""
+        if not self.distributed:
+            return None
+        if sharded:
+            return self.share(position)
+        mine = tensors() if self.endpoint else None
+        specs = self.share([TensorSpec.of(n, t) for n, t in mine.items()] if mine is not None else None)
+        targets = mine if mine is not None else destinations(specs)
+        for spec in specs:
+            self.broadcast(targets[spec.name])
+        return self.share(position)
 
     def _group_of(self, tensor: torch.Tensor) -> Any:
         return self._cpu_group if tensor.device.type == "cpu" else dist.group.WORLD
@@ -153,84 +217,17 @@ def check(cfg: Config, nproc: int) -> None:
                              f"(diloco.device {cfg.diloco.device})")
 
 
-class RankAverager(Averager):
-    """The `Averager` of every rank of a multi-process peer: rank 0 asks `endpoint` (the swarm), and every
-    rank receives the same answer. Every method is a collective: all ranks call it at the same point."""
+class Follower(Averager):
+    """The averager of a rank other than 0: it never talks to the swarm. Its trainer takes rank 0's answers
+    through the collectives of `Ranks` (`share_outcome`, `answer`, `share_state`) at the same points."""
 
-    def __init__(self, ranks: Ranks, endpoint: Optional[Averager], networked: bool):
-        if ranks.endpoint != (endpoint is not None):
-            raise ValueError("rank 0, and only rank 0, talks to the swarm")
-        self.ranks, self.endpoint, self.networked = ranks, endpoint, networked
+    def __init__(self, networked: bool):
+        self.networked = networked
 
-    def average(self, round: int, pseudo_grad: PseudoGradient, samples: int, out: Sequence[torch.Tensor],
+    def average(self, outer_step: int, pseudo_grad: PseudoGradient, samples: int, out: Sequence[torch.Tensor],
                 base: str = "") -> RoundOutcome:
-        return self.share_outcome(self.average_in_background(round, pseudo_grad, samples, out, base), out)
+        return RoundOutcome(None, note="rank 0 averages")
 
-    def average_in_background(self, round: int, pseudo_grad: PseudoGradient, samples: int,
-                              out: Sequence[torch.Tensor], base: str = "") -> Optional[RoundOutcome]:
-        """Rank 0 averages with the swarm; the other ranks have nothing to do until `share_outcome`."""
-        return self.endpoint.average(round, pseudo_grad, samples, out, base) if self.endpoint else None
-
-    def share_outcome(self, outcome: Optional[RoundOutcome], out: Sequence[torch.Tensor]) -> RoundOutcome:
-        """Rank 0's outcome on every rank: its summary, then the averaged pseudo-gradient into `out` if it
-        committed (every rank calls this at the same point of its training thread)."""
-        if self.endpoint is not None:
-            brief = dataclasses.replace(outcome, averaged=None, residual=None)
-            self.ranks.share((brief, outcome.averaged is not None))
-            if outcome.averaged is not None:
-                for t in outcome.averaged:
-                    self.ranks.broadcast(t)
-            return outcome
-        brief, committed = self.ranks.share(None)
-        if committed:
-            for t in out:
-                self.ranks.broadcast(t)
-        return dataclasses.replace(brief, averaged=out if committed else None)
-
-    def others_ready(self, round: int) -> bool:
-        return self.ranks.share(self.endpoint.others_ready(round) if self.endpoint else None)
-
-    def publish_progress(self, *args, **kwargs) -> None:
-        if self.endpoint is not None:
-            self.endpoint.publish_progress(*args, **kwargs)
-
-    def offer_state(self, snapshot: Snapshot) -> None:
-        if self.endpoint is not None:
-            self.endpoint.offer_state(snapshot)
-
-    def fetch_state(self, intake: Intake, round: int, sha256: str, donors: Optional[list[str]] = None,
+    def fetch_state(self, intake: Intake, outer_step: int, sha256: str, donors: Optional[list[str]] = None,
                     must: bool = False) -> Optional[Download]:
-        """Rank 0 fetches; every rank gets its answer or its error. The state itself reaches the other
-        ranks through `share_state`, which the trainer calls after every fetch."""
-        got, error = None, None
-        if self.endpoint is not None:
-            try:
-                got = self.endpoint.fetch_state(intake, round, sha256, donors, must)
-            except SwarmError as e:
-                error = str(e)
-        got, error = self.ranks.share((got, error))
-        if error is not None:
-            raise SwarmError(error)
-        return got
-
-    def finish(self, round: int) -> None:
-        if self.endpoint is not None:
-            self.endpoint.finish(round)
-
-    def close(self) -> None:
-        if self.endpoint is not None:
-            self.endpoint.close()
-
-
-def share_state(ranks: Ranks, tensors: Callable[[], dict[str, torch.Tensor]],
-                destinations: Callable[[list], dict[str, torch.Tensor]], position: tuple) -> Optional[tuple]:
-    """Every rank takes rank 0's state: its tensors (by name, into `destinations(specs)` on the other
-    ranks) and its `position`, which is returned on every rank. None on a single-process peer."""
-    if not ranks.distributed:
-        return None
-    mine = tensors() if ranks.endpoint else None
-    specs = ranks.share([TensorSpec.of(n, t) for n, t in mine.items()] if mine is not None else None)
-    targets = mine if mine is not None else destinations(specs)
-    for spec in specs:
-        ranks.broadcast(targets[spec.name])
-    return ranks.share(position)
+        raise RuntimeError("only rank 0 fetches a state (Ranks.answer)")

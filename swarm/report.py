@@ -1,4 +1,8 @@
-"""summary.json and loss.png: what a run leaves behind for people and for other tools.
+"""summary.json, metrics.csv and loss.png: what a run leaves behind for people and for other tools.
+
+metrics.csv (one per peer, in its folder) gains a row as each round closes, committed or discarded, and is
+only ever appended to: a peer that resumes from its checkpoint adds rows after the old ones (a round trained
+again after a crash appears twice, at two times). Columns: `METRICS_COLUMNS`.
 
 summary.json holds `run`, `mode`, `config` (resolved), `wall_s`, `events`, and `peers`: per peer
 `peer_id`, `rounds_completed` and `final_global_sha256` (the round and hash it ended on, committed or
@@ -13,13 +17,18 @@ inner steps and matchmaking + all-reduce).
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import resource
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from swarm.history import PeerHistory
+from swarm.history import PeerHistory, RoundRecord
+
+METRICS_COLUMNS = ["time", "round", "committed", "inner_step", "train_loss", "eval_loss", "tokens_per_s", "compute_s",
+                   "comm_s", "wait_s", "overhead_s", "bytes_sent", "bytes_received", "group_size", "samples",
+                   "global_sha256"]
 
 
 def peak_rss_bytes() -> int:
@@ -48,9 +57,31 @@ def peer_summary(history: PeerHistory, nproc: int = 1) -> dict[str, Any]:
         "peak_rss_bytes": peak_rss_bytes(),
         "bytes_sent": sum(r.bytes_sent for r in history.rounds),
         "bytes_received": sum(r.bytes_received for r in history.rounds),
+        "data": history.data,
+        "data_overlap": data_overlap([history.data]),
         "rounds": [r.__dict__ for r in history.rounds],
         "events": history.events,
     }
+
+
+def data_overlap(data: Iterable[dict[str, Any]]) -> float:
+    """Of the samples these peers drew, the share trained while another live peer claimed the same data shard
+    (swarm/peerdata.py report(): duplicate training; 0 where no peer shared one)."""
+    data = [d for d in data if d]
+    drawn = sum(d.get("samples", 0) for d in data)
+    return sum(d.get("overlap_samples", 0) for d in data) / drawn if drawn else 0.0
+
+
+def append_metrics(path: Path, record: RoundRecord, inner_step: int) -> None:
+    """One row of metrics.csv for a round that just closed, this peer at `inner_step` (its total)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists()
+    with open(path, "a", newline="") as f:
+        writer = csv.writer(f)
+        if new:
+            writer.writerow(METRICS_COLUMNS)
+        row = {**record.__dict__, "inner_step": inner_step}
+        writer.writerow(["" if row[c] is None else row[c] for c in METRICS_COLUMNS])
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -63,8 +94,9 @@ def write_summary(out_dir: Path, run: str, mode: str, config: dict, wall_s: floa
                   peers: Iterable[dict[str, Any]], events: list[dict[str, Any]] = (),
                   fault_report: Optional[dict[str, Any]] = None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
+    peers = list(peers)
     summary = {"run": run, "mode": mode, "config": config, "wall_s": wall_s, "events": list(events),
-               "peers": list(peers)}
+               "peers": peers, "data_overlap": data_overlap(p.get("data", {}) for p in peers)}
     if fault_report:
         summary["fault_report"] = fault_report
     write_json(out_dir / "summary.json", summary)

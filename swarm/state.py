@@ -14,8 +14,10 @@ for tensors under 4096 elements) and `absmax1`, `absmax2` (fp32, one per block o
 int that bitsandbytes keeps per tensor, set from the peer's inner step (`set_optimizer_step`).
 
 A checkpoint adds this peer's own `error_feedback.{i}` (fp32) and `rng` (uint8) after them; those are never
-served. Every tensor received, from a file or a peer, must match a name, dtype and shape this peer expects
-before a byte of it is written (`destinations`), so a state that does not fit is refused, not half-loaded.
+served. It stores every tensor by its parameter's state_dict name instead of its position (`StateNames`:
+`global.model.layers.0.mlp.up_proj.weight`, `adam.model.layers.0.mlp.up_proj.weight.exp_avg`). Every tensor
+received, from a file or a peer, must match a name, dtype and shape this peer expects before a byte of it is
+written (`destinations`), so a state that does not fit is refused, not half-loaded.
 """
 
 from __future__ import annotations
@@ -42,6 +44,38 @@ def _moments(optimizer: torch.optim.Optimizer, state: dict) -> dict[str, torch.T
     """The tensors of one parameter's optimizer state that travel, by key, in order."""
     keys = [k for k in BNB_KEYS if k in state] if _is_8bit(optimizer) else ADAM_KEYS
     return {k: state[k] for k in keys if isinstance(state.get(k), torch.Tensor)}
+
+
+class StateNames:
+    """Positional names (`global.3`: what travels, what `destinations` takes) and the names checkpoints store the
+    same tensors by: the kind, the parameter's state_dict name, the moment key (`adam.<param>.exp_avg`)."""
+
+    KINDS = ("global", "momentum", "adam", "error_feedback")
+
+    def __init__(self, params: list[str]):
+        self.params, self.index = list(params), {name: i for i, name in enumerate(params)}
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> StateNames:
+        """The names of `model`'s trainable parameters, in `DiLoCo.params` order."""
+        return cls([name for name, p in model.named_parameters() if p.requires_grad])
+
+    def named(self, name: str) -> str:
+        kind, _, rest = name.partition(".")
+        index, _, key = rest.partition(".")
+        if kind not in self.KINDS or not index.isdigit() or int(index) >= len(self.params):
+            return name  # rng, or a name that is no parameter's: kept as is
+        return ".".join([kind, self.params[int(index)], *([key] if key else [])])
+
+    def positional(self, name: str) -> str:
+        """ValueError if `name` names a parameter this model does not have."""
+        kind, _, rest = name.partition(".")
+        if kind not in self.KINDS:
+            return name
+        param, key = rest.rpartition(".")[::2] if kind == "adam" else (rest, "")
+        if param not in self.index:
+            raise ValueError(f"{name}: this model has no parameter {param!r}")
+        return ".".join([kind, str(self.index[param]), *([key] if key else [])])
 
 
 @torch.no_grad()
@@ -129,11 +163,15 @@ def check_specs(diloco: DiLoCo, optimizer: torch.optim.Optimizer, specs: Iterabl
     """ValueError naming the first tensor of `specs` (a shared state, in order) this peer cannot take."""
     specs = list(specs)
     names = {s.name for s in specs}
-    expected = _expected(diloco, optimizer, "momentum.0" in names, any(n.startswith("adam.") for n in names))
+    compare_specs(specs, _expected(diloco, optimizer, "momentum.0" in names, any(n.startswith("adam.") for n in names)))
+
+
+def compare_specs(specs: list[TensorSpec], expected: list[TensorSpec], why: str = "") -> None:
+    """ValueError naming the first tensor of `specs` that is not `expected`'s (`why` follows the expectation)."""
     for i, (got, want) in enumerate(zip(specs, expected)):
         if got != want:
             raise ValueError(f"tensor {i} is {got.name} {got.dtype} {list(got.shape)}, "
-                             f"expected {want.name} {want.dtype} {list(want.shape)}")
+                             f"expected {want.name} {want.dtype} {list(want.shape)}{why}")
     if len(specs) != len(expected):
         extra = specs[len(expected)].name if len(specs) > len(expected) else expected[len(specs)].name
         raise ValueError(f"the state holds {len(specs)} tensors, expected {len(expected)} (at {extra})")

@@ -1,11 +1,14 @@
 """The DiLoCo two-level loop for one peer, top to bottom: rounds, then H inner steps, then the outer step.
 
-The inner loop is plain PyTorch (AdamW, warmup + cosine, grad clipping). The only contact with other
-peers is `averager.average(...)` at the round boundary; the loop never sees the DHT. Every round
-either commits (outer step applied, hash logged, checkpoint written, state offered to newcomers) or is
-discarded (the local model keeps its inner progress and the next pseudo-gradient covers both rounds).
-A peer whose local model went NaN/Inf, or that learns the swarm has committed a later round, takes the
-swarm's state; if no peer can give it, it stops (SwarmError) rather than train on from a stale state.
+The inner loop is plain PyTorch (AdamW, warmup + cosine, grad clipping) and never sees the DHT. The swarm is
+reached through the `Averager` only: an exchange of a fragment's pseudo-gradient (`Exchange`) where the schedule
+says (swarm/fragments.py: with one fragment and no delay, once at the round's end), progress reports, and states
+taken or served. `_settle` is the one place that decides what an exchange's outcome means, for every mode
+(blocking or delayed, one fragment or several): commit (outer step applied, hash recorded, state served, and
+for a round's last fragment the round closed and checkpointed), discard (the local model keeps its inner
+progress and the fragment's next exchange covers both), or take the swarm's state (found behind). A peer whose
+local model went NaN/Inf takes the swarm's state too; if no peer can give it, it stops (SwarmError) rather than
+train on from a stale state. The words: swarm/__init__.py.
 """
 
 from __future__ import annotations
@@ -22,62 +25,82 @@ import torch
 
 from swarm import state as peer_state
 from swarm.averaging import Averager, PeerStats, RoundOutcome
-from swarm.checkpoint import Checkpointer, CorruptCheckpoint
+from swarm.checkpoint import CorruptCheckpoint
 from swarm.config import Config
-from swarm.data import TrainBatches, load_corpus
+from swarm.data import TrainBatches, check_vocabulary, load_corpus
 from swarm.diloco import DiLoCo
 from swarm.errors import SwarmError
-from swarm.fragments import Fragments, TrainerHooks
+from swarm.fragments import Fragment, Fragments
 from swarm.history import PeerHistory, RoundRecord, dump_round, round_inputs
 from swarm.inner import autocast, build_optimizer, evaluate, forward_backward, lr_lambda
+from swarm.metrics import Metrics
 from swarm.model import build_model, count_parameters
 from swarm.overlap import Exchange
+from swarm.peerdata import Leases, PeerData
 from swarm.ranks import SINGLE, Ranks
+from swarm.sharding import Shards, shard_model
 from swarm.trainer_state import TrainerState
 
 log = logging.getLogger("swarm.trainer")
+NON_FINITE_TRIES = 3  # states taken in a row after the local model went NaN/Inf before a peer gives up
+_COMM = dict(comm_s=0.0, allreduce_s=0.0, wait_s=0.0, bytes_sent=0, bytes_received=0)  # summed over a round's exchanges
 
 
 class Trainer(TrainerState):
     """One peer's model, inner optimizer, DiLoCo state and data, with save/restore of all of it."""
 
-    def __init__(self, cfg: Config, averager: Averager, peer_id: str, shard: int, out_dir: Path,
-                 on_round: Optional[Callable[[RoundRecord], None]] = None, ranks: Ranks = SINGLE):
+    def __init__(self, cfg: Config, averager: Averager, peer_id: str, shard: Optional[int], out_dir: Path,
+                 on_round: Optional[Callable[[RoundRecord], None]] = None, ranks: Ranks = SINGLE,
+                 name: Optional[str] = None, leases: Optional[Leases] = None):
+        """`shard`: this peer's data shard, None for one leased through the swarm (`leases`, on rank 0); `name`:
+        the identity that seeds its batch order (default `peer_id`), stable across restarts (swarm/peerdata.py)."""
         self.cfg, self.averager, self.on_round, self.out_dir, self.ranks = cfg, averager, on_round, out_dir, ranks
         self.device = cfg.diloco.device
-        corpus = load_corpus(cfg.data)
-        self.batches = TrainBatches(corpus, cfg.data, shard)
+        self.corpus = corpus = load_corpus(cfg.data)
+        check_vocabulary(corpus.tokenizer, cfg.model.vocab_size, cfg.data)
+        self.data = PeerData(corpus, cfg.data, name or peer_id, shard, cfg.swarm.run_id, ranks, leases)
         self.eval_batches = corpus.eval_batches(cfg.data)
-        self.model = build_model(cfg.model, corpus.tokenizer.vocab_size).to(self.device)
-        self.diloco = DiLoCo(self.model, cfg.outer, cfg.diloco.global_device, cfg.diloco.mix_alpha)
-        # diloco.fragments: the round's own exchange is the last fragment's (all tensors with 1 fragment)
-        self.fragments = Fragments(self.diloco, cfg.diloco, averager, TrainerHooks(
-            self._settle_checkpoint, lambda event: self.history.events.append(event), self.catch_up, self.serve_state))
+        self.model = build_model(cfg.model, corpus.tokenizer.vocab_size, cfg.data.tokenizer).to(self.device)
+        # inner.parallel fsdp over K > 1 ranks: FSDP2 shards the model, and DiLoCo holds this rank's rows only
+        sharded = shard_model(self.model, cfg.inner.parallel, ranks.world_size)
+        shards = Shards.of(self.model, ranks.rank, ranks.world_size, ranks.cpu_group) if sharded else None
+        self.diloco = DiLoCo(self.model, cfg.outer, cfg.diloco.global_device, cfg.diloco.mix_alpha, shards)
+        self.fragments = Fragments(self.diloco, cfg.diloco)  # the exchanges' schedule (one fragment: the round's)
+        self.exchange: Optional[Exchange] = None  # the exchange in flight (diloco.delay): never more than one
+        self.closing: dict = {}  # what the round that the exchange in flight closes measured: loss, compute time
+        self.comm = dict(_COMM)  # the exchanges settled since the last round closed
         self.precision = autocast(cfg.inner.precision, self.device)
         self.optimizer = build_optimizer(self.model, cfg)
-        self.train_model = ranks.wrap(self.model)  # DDP over the peer's ranks, or the model itself
+        self.train_model = ranks.wrap(self.model, sharded)  # DDP over the peer's ranks, or the model itself
         total = cfg.diloco.rounds * cfg.diloco.inner_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.inner, total))
         self.step = 0  # inner steps done by this peer: the schedule position and the data position
         self.inner = 0  # inner steps done in the current round
-        self.samples_since_commit = 0
+        self.samples = [0] * len(self.fragments.all)  # per fragment: the samples its next pseudo-gradient covers
         # swarm.error_feedback: what quantization dropped from this peer's last committed contribution, added
         # to its next pseudo-gradient. Per peer: in its checkpoint, never in the state served to newcomers.
         self.error_feedback: Optional[list[torch.Tensor]] = None
         self.history = PeerHistory(peer_id=peer_id)
         self.last_eval: Optional[tuple[int, float]] = None  # (round, held-out loss), shown to watchers
-        ckpt_dir = cfg.checkpoint.dir or out_dir / "checkpoint"
-        self.checkpointer = Checkpointer(ckpt_dir) if cfg.checkpoint.every > 0 and ranks.endpoint else None
-        log.info("peer %s: %d parameters, shard %d, %d rounds x %d inner steps",
-                 peer_id, count_parameters(self.model), shard, cfg.diloco.rounds, cfg.diloco.inner_steps)
+        self.non_finite_tries = 0  # states taken since the last committed round because the local model went bad
+        self.checkpointer = self.make_checkpointer(out_dir)
+        self.metrics = Metrics(cfg, out_dir, peer_id) if ranks.endpoint else None  # metrics.csv, TensorBoard, W&B
+        log.info("peer %s: %d parameters, data shard %s, %d rounds x %d inner steps", peer_id, count_parameters(
+            self.model), "leased" if shard is None else shard, cfg.diloco.rounds, cfg.diloco.inner_steps)
+
+    @property
+    def batches(self) -> Optional[TrainBatches]:  # the shard read now and the position there; None before training
+        return self.data.batches
 
     # ---- state: the named tensors of swarm/state.py, in checkpoints and for newcomers ------------------
     def _set_position(self, round: int, step: int, outer_steps: Optional[int] = None, inner: int = 0) -> None:
         """Round, inner step, outer steps committed (default: one per round) and inner steps done in the round;
-        the learning-rate schedule follows the step. The local model restarts."""
+        the learning-rate schedule follows the step. The local model restarts: no local progress to count. Only
+        ever called with no exchange in flight (a state is taken once the exchange that found us behind settled)."""
+        assert self.exchange is None, "a position is set with an exchange in flight"
         self.diloco.round, self.step, self.inner = round, step, inner
         self.diloco.outer_steps = round if outer_steps is None else outer_steps
-        self.fragments.restart()
+        self.samples = [0] * len(self.fragments.all)
         self.scheduler.last_epoch, self.scheduler._step_count = step, step + 1
         lrs = [base * fn(step) for base, fn in zip(self.scheduler.base_lrs, self.scheduler.lr_lambdas)]
         for group, lr in zip(self.optimizer.param_groups, lrs):
@@ -87,7 +110,7 @@ class Trainer(TrainerState):
 
     # ---- the loop ------------------------------------------------------------------------------------
     def inner_step(self) -> float:
-        batch = self.batches.batch(self.step)
+        batch = self.data.next_batch()
         mine = self.ranks.slice(batch).to(self.device)
         loss = forward_backward(self.train_model, mine, self.cfg.inner.micro_batch_size or len(mine), self.precision)
         loss = self.ranks.mean(loss)
@@ -98,11 +121,37 @@ class Trainer(TrainerState):
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.inner += 1
-        self.samples_since_commit += batch.shape[0]
+        self.samples = [s + batch.shape[0] for s in self.samples]
         return loss.item()
 
     def train(self, progress: Optional[Callable[[int, int, float], None]] = None) -> PeerHistory:
-        cfg = self.cfg.diloco
+        """Join the swarm (resume, or take its state), then train round after round until `diloco.rounds` are
+        committed. `progress(round, inner step, loss)` is called after every inner step."""
+        self._join()
+        try:
+            while True:
+                if self.exchange is not None and self.diloco.round + 1 == self.cfg.diloco.rounds:
+                    self._settle()  # the last round's exchange: no inner steps left to hide it behind
+                if self.diloco.round >= self.cfg.diloco.rounds:
+                    break
+                if self.history.rounds:
+                    self.data.renew()  # a lease may have moved to an earlier claimant
+                self._train_round(progress)
+                self.history.data = self.data.report()
+            if self.history.rounds:  # the last round's eval, for watchers
+                self.averager.publish_progress(self.diloco.outer_steps, self.step, 0, 0.0,
+                                               sha256=self.diloco.global_sha256(),
+                                               stats=self._stats(self.history.rounds[-1].train_loss, 0.0))
+        finally:  # however training stops, a committed checkpoint is finished and a begun one dropped
+            if self.checkpointer is not None:
+                self.checkpointer.close()
+            if self.metrics is not None:
+                self.metrics.close()
+        return self.history
+
+    def _join(self) -> None:
+        """Resume from this peer's checkpoint (a corrupt one, in a swarm: from the swarm's state), take the swarm's
+        state if it is ahead, and measure the loss training starts from."""
         self._hold(0)
         try:
             self.resume()
@@ -111,125 +160,154 @@ class Trainer(TrainerState):
                 raise
             log.warning("%s; falling back to the state of peers", e)
             self.history.events.append({"event": "corrupt_checkpoint", "time": time.time(), "error": str(e)})
+        self.data.take()
+        self.history.data = self.data.report()
         self.catch_up()
         if self.history.initial_eval_loss is None:
             self.history.initial_eval_loss = evaluate(self.model, self.eval_batches, self.device, self.precision)
             self.last_eval = (self.diloco.round, self.history.initial_eval_loss)
             log.info("round %d: eval loss %.4f (before training)", self.diloco.round, self.history.initial_eval_loss)
-        tokens_per_step = self.cfg.data.batch_size * self.cfg.data.seq_len
 
-        # diloco.delay: the last round's exchange, averaging behind this round's first inner steps (swarm/overlap.py)
-        exchange: Optional[Exchange] = None
-        try:
-            while True:
-                if exchange is not None and self.diloco.round + 1 == cfg.rounds:
-                    self._settle(exchange)  # the last round's exchange: no inner steps left to hide it behind
-                    exchange = None
-                if self.diloco.round >= cfg.rounds:
-                    break
-                training = self.diloco.round + 1 + (exchange is not None)  # the last round may still be landing
-                self._hold(training)
-                # H inner steps: plain PyTorch on this peer's shard. A straggler stops early once a faster peer
-                # waits to average, and contributes the steps it has (the average is weighted by samples).
-                start, losses, last_report = time.perf_counter(), [], 0.0
-                if self.checkpointer is not None:
-                    self.checkpointer.wait_begun()  # it may still write the last round's AdamW moments: overhead
-                inner_start, paused = time.perf_counter(), 0.0  # paused: closing the last round meanwhile
-                while self.inner < cfg.inner_steps and self.diloco.round < cfg.rounds:
-                    self._inject_faults(training, self.inner)
-                    losses.append(self.inner_step())
-                    if progress is not None:
-                        progress(self.diloco.round, self.inner, losses[-1])
-                    if time.perf_counter() - last_report >= self.cfg.swarm.progress_interval:
-                        last_report = time.perf_counter()
-                        self._publish_progress(inner_start, losses, ready=exchange is not None)
-                    if exchange is not None and self.inner == cfg.delay:  # the last round's outer step lands here
-                        paused += self._settle(exchange)
-                        exchange = None
-                    # diloco.fragments: a mid-round exchange that finds us behind moves self.inner (the swarm's state)
-                    paused += self.fragments.after_inner_step(self.inner, self.cfg.data.batch_size)
-                    if self.inner < cfg.inner_steps and exchange is None and self.fragments.may_stop_early(self.inner) \
-                            and self.averager.others_ready(self.diloco.outer_steps):
-                        log.info("round %d: peers wait to average; contributing %d of %d inner steps",
-                                 self.diloco.round + 1, self.inner, cfg.inner_steps)
-                        self._inject_faults(training, self.inner, stopping_early=True)
-                        break
-                compute_s = time.perf_counter() - inner_start - paused
-                if exchange is not None:  # a round cut short before `delay` inner steps
-                    self._settle(exchange)
-                    exchange = None
-                if self.diloco.round >= cfg.rounds:  # a state taken meanwhile ended the run
-                    break
-                self.inner = 0  # the next round's, unless a state taken at the round's close says otherwise
-                boundary = self.fragments.boundary
-                pseudo_grad = boundary.pseudo_gradient(self.error_feedback)
-                if not (all(map(math.isfinite, losses)) and self.diloco.pseudo_gradient().is_finite()):
-                    self._recover_from_non_finite(losses)
-                    continue
+    def _train_round(self, progress: Optional[Callable[[int, int, float], None]]) -> None:
+        """One round: H inner steps on this peer's shard with the exchanges the schedule puts between them, then
+        the exchange of the last fragment, which closes the round. A straggler stops early once a faster peer
+        waits to average, and contributes the steps it has (the average is weighted by samples)."""
+        cfg = self.cfg.diloco
+        round = self.diloco.round + 1 + (self.exchange is not None)  # the last round may still be landing
+        self._hold(round)
+        start = time.perf_counter()
+        if self.checkpointer is not None:
+            self.checkpointer.wait_begun()  # it may still write the last round's AdamW moments: overhead
+        inner_start, paused, losses, last_report = time.perf_counter(), 0.0, [], 0.0
+        while self.inner < cfg.inner_steps and self.diloco.round < cfg.rounds:
+            self._inject_faults(round, self.inner)
+            losses.append(self.inner_step())
+            if progress is not None:
+                progress(self.diloco.round, self.inner, losses[-1])
+            if time.perf_counter() - last_report >= self.cfg.swarm.progress_interval:
+                last_report = time.perf_counter()
+                self._publish_progress(inner_start, losses, ready=self.exchange is not None)
+            paused += self._run_due(self.fragments.due(self.inner))  # may move self.inner: a state taken
+            if self._stops_early(round):
+                break
+        compute_s = time.perf_counter() - inner_start - paused
+        if self.exchange is not None:  # a round cut short before the exchange in flight landed
+            self._settle()
+        if self.diloco.round >= cfg.rounds:  # a state taken meanwhile ended the run
+            return
+        self.inner = 0  # the next round's, unless a state taken at the round's close says otherwise
+        finite = all(map(math.isfinite, losses)) and self.diloco.pseudo_gradient().is_finite()
+        if self.diloco.shards is not None:  # each rank sees its own rows: the peer's model is finite if all are
+            finite = self.diloco.shards.all_true(finite)
+        if not finite:
+            self._recover_from_non_finite(losses)
+            return
+        self._publish_progress(inner_start, losses, ready=True)
+        tokens = self.cfg.data.batch_size * self.cfg.data.seq_len * len(losses)
+        self.closing = dict(train_loss=sum(losses) / len(losses), compute_s=compute_s, start=start,
+                            tokens_per_s=tokens / compute_s)
+        self._launch(self.fragments.last)
+        if not self.exchange.delayed:
+            self._settle()
 
-                # The outer step: average the pseudo-gradients, then commit or discard the round.
-                self._publish_progress(inner_start, losses, ready=True)
-                samples = self.samples_since_commit
-                dumping = self.cfg.logging.dump_tensors and self.ranks.endpoint
-                facts = dict(train_loss=sum(losses) / len(losses), compute_s=compute_s, start=start,
-                             tokens_per_s=tokens_per_step * len(losses) / compute_s)
-                if cfg.delay:
-                    exchange = Exchange(boundary, self.averager, samples, self.error_feedback, **facts)
-                    exchange.dump = round_inputs(exchange.pseudo_grad, samples, self.diloco) if dumping else None
-                    continue
-                dump = round_inputs(pseudo_grad, samples, self.diloco) if dumping else None
-                checkpoint = self._checkpoint_due()
-                if checkpoint:  # the AdamW moments go to disk while the round averages
-                    self.checkpointer.begin(self._checkpoint_parts()[0])
-                outcome = self.averager.average(boundary.round, pseudo_grad, samples, boundary.outer_grads(),
-                                                boundary.global_sha256())
-                self._after_round(self._close_round(outcome, checkpoint, **facts), dump)
-            if self.history.rounds:  # the last round's eval, for watchers
-                self.averager.publish_progress(self.diloco.outer_steps, self.step, 0, 0.0,
-                                               sha256=self.diloco.global_sha256(),
-                                               stats=self._stats(self.history.rounds[-1].train_loss, 0.0))
-        finally:  # however training stops, a committed checkpoint is finished and a begun one dropped
-            if self.checkpointer is not None:
-                self.checkpointer.close()
-        return self.history
+    def _run_due(self, events: list[tuple[str, Fragment]]) -> float:
+        """Land and start the exchanges due after this inner step; returns the seconds the inner steps stood
+        still. A landing that takes the swarm's state ends the list: the schedule goes on from the new position."""
+        start = time.perf_counter()
+        for action, fragment in events:
+            if action == "start":
+                self._launch(fragment)
+            elif self.exchange is not None and self.exchange.fragment is fragment and not self._settle():
+                break
+        return time.perf_counter() - start
+
+    def _stops_early(self, round: int) -> bool:
+        """A straggler's round ends here: peers wait to average, and every mid-round exchange has landed."""
+        done, cfg = self.inner, self.cfg.diloco
+        if done >= cfg.inner_steps or self.exchange is not None or not self.fragments.may_stop_early(done):
+            return False
+        if not self.ranks.share(self.averager.others_ready(self.diloco.outer_steps)):
+            return False
+        log.info("round %d: peers wait to average; contributing %d of %d inner steps", round, done, cfg.inner_steps)
+        self._inject_faults(round, done, stopping_early=True)
+        return True
+
+    def _launch(self, fragment: Fragment) -> None:
+        """Start `fragment`'s exchange (the last fragment's closes the round: it carries the error feedback, and a
+        blocking one writes the AdamW moments of a due checkpoint to disk while it averages)."""
+        closes, delayed = fragment is self.fragments.last, self.cfg.diloco.delay > 0
+        if closes and not delayed and self._checkpoint_due():
+            self.checkpointer.begin(self._checkpoint_parts()[0])
+        self.exchange = Exchange(fragment, self.averager, self.samples[fragment.index],
+                                 self.error_feedback if closes else None, delayed)
+        if closes and self.cfg.logging.dump_tensors and self.ranks.endpoint:
+            self.closing["dump"] = round_inputs(self.exchange.pseudo_grad, self.exchange.samples, self.diloco)
+
+    def _settle(self) -> bool:
+        """The one decision point: wait for the exchange in flight and commit it (land its outer step), discard it
+        (drop it: the local model keeps its progress) or, found behind, take the swarm's state. Every rank of a
+        multi-process peer takes rank 0's outcome here. The last fragment's exchange then closes the round.
+        Returns False if the swarm's state was taken (the position moved)."""
+        exchange, self.exchange = self.exchange, None
+        fragment, closes = exchange.fragment, exchange.fragment is self.fragments.last
+        checkpoint = closes and self._checkpoint_due()
+        outcome, wait_s = exchange.result()
+        outcome = self.ranks.share_outcome(outcome, exchange.out, fragment.unwire if self.diloco.shards else None)
+        settle_start, committed = time.perf_counter(), outcome.averaged is not None
+        for key, value in [("comm_s", outcome.comm_s), ("allreduce_s", outcome.allreduce_s), ("wait_s", wait_s),
+                           ("bytes_sent", outcome.bytes_sent), ("bytes_received", outcome.bytes_received)]:
+            self.comm[key] += value
+        where = f"round {self.diloco.round + 1}" + (f": fragment {fragment.index}" if not closes else "")
+        if checkpoint and not committed and not exchange.delayed:
+            self.checkpointer.abort()
+        if committed:
+            self._settle_checkpoint()
+            exchange.land(outcome.averaged)
+            self.samples[fragment.index] -= exchange.samples  # what the inner steps since its start add stays
+            if closes:
+                self.error_feedback = outcome.residual if self.cfg.swarm.error_feedback else None
+        else:
+            exchange.drop()
+        if not committed and outcome.behind:
+            log.warning("%s: %s", where, outcome.note)
+            self.catch_up(outcome.donors or None)
+        elif not committed:
+            log.warning("%s: exchange discarded (%s): keeping local progress for the next one", where, outcome.note)
+            if not closes:
+                self.history.events.append({"event": "fragment_discarded", "time": time.time(), "round":
+                                            self.diloco.round, "fragment": fragment.index, "note": outcome.note})
+        if closes:
+            self._close_round(exchange, outcome, checkpoint, settle_start)
+        elif committed:
+            self.serve_state()
+        return committed or not outcome.behind
 
     def _checkpoint_due(self) -> bool:
         return self.checkpointer is not None and (self.diloco.round + 1) % self.cfg.checkpoint.every == 0
 
-    def _settle(self, exchange: Exchange) -> float:
-        """diloco.delay: commit or discard the round of the exchange in flight, waiting for it if need be;
-        returns the seconds this took (the inner steps stood still)."""
-        start = time.perf_counter()
-        outcome, wait_s = exchange.result()
-        if outcome.averaged is not None:
-            self.samples_since_commit -= exchange.samples  # what the inner steps since then add stays
-        record = self._close_round(outcome, self._checkpoint_due(), exchange=exchange, wait_s=wait_s,
-                                   launch_s=exchange.launch_s, **exchange.facts)
-        self._after_round(record, exchange.dump)
-        return time.perf_counter() - start
-
-    def _after_round(self, record: RoundRecord, dump: Optional[tuple]) -> None:
-        if dump is not None:
-            dump_round(self.out_dir / "tensors", len(self.history.rounds), record, dump, self.diloco)
-        if self.on_round is not None:
-            self.on_round(record)
-
     def _recover_from_non_finite(self, losses: list[float]) -> None:
-        """The local model went NaN/Inf: stop announcing readiness, take the swarm's state or stop (SwarmError)."""
+        """The local model went NaN/Inf: stop announcing readiness and take the swarm's state; SwarmError if no
+        peer can give it, or if the model went non-finite `NON_FINITE_TRIES` times in a row without a round
+        committed in between (the state the swarm serves is itself poisoned: taking it again would loop)."""
+        round = self.diloco.round + 1
         log.warning("round %d: the local model is not finite (last loss %s): taking the swarm's state",
-                    self.diloco.round + 1, losses[-1] if losses else "-")
+                    round, losses[-1] if losses else "-")
         self.averager.publish_progress(self.diloco.outer_steps, self.step, 0, 0.0, ready=False,
                                        sha256=self.diloco.global_sha256())
         self.history.events.append({"event": "non_finite_model", "time": time.time(), "round": self.diloco.round})
+        self.non_finite_tries += 1
+        if self.non_finite_tries > NON_FINITE_TRIES:
+            donors = [e["donor"] for e in self.history.events if e["event"] == "state_downloaded"]
+            raise SwarmError(f"round {round}: the local model went non-finite {self.non_finite_tries} times in a row, "
+                             f"the last after taking the state of {donors[-1] if donors else 'no peer'}")
         try:
             self.catch_up(must=True)
         except SwarmError as e:
-            raise SwarmError(f"round {self.diloco.round + 1}: the local model is not finite and {e}") from e
-        self.samples_since_commit = 0
+            raise SwarmError(f"round {round}: the local model is not finite and {e}") from e
 
     def _publish_progress(self, start: float, losses: list[float], ready: bool = False) -> None:
         samples_per_s = len(losses) * self.cfg.data.batch_size / max(1e-9, time.perf_counter() - start)
-        self.averager.publish_progress(self.diloco.outer_steps, self.step, self.samples_since_commit, samples_per_s,
+        self.averager.publish_progress(self.diloco.outer_steps, self.step, self.samples[-1], samples_per_s,
                                        ready, self.diloco.global_sha256(), self._stats(losses[-1], samples_per_s))
 
     def _stats(self, loss: Optional[float], samples_per_s: float) -> PeerStats:
@@ -246,7 +324,7 @@ class Trainer(TrainerState):
             return
         log.warning("fault injection: holding before round %d while %s exists", round, faults.hold_file)
         if round > 0:
-            self.averager.publish_progress(self.diloco.outer_steps, self.step, self.samples_since_commit, 0.0,
+            self.averager.publish_progress(self.diloco.outer_steps, self.step, self.samples[-1], 0.0,
                                            sha256=self.diloco.global_sha256())
         while os.path.exists(faults.hold_file):
             time.sleep(0.2)
@@ -285,61 +363,46 @@ class Trainer(TrainerState):
             for p, saved in zip(self.diloco.params, local):
                 p.copy_(saved)
 
-    def _close_round(self, outcome: RoundOutcome, checkpoint: bool, train_loss: float, compute_s: float,
-                     tokens_per_s: float, start: float, exchange: Optional[Exchange] = None,
-                     wait_s: float = 0.0, launch_s: float = 0.0) -> RoundRecord:
-        """Commit the round (outer step; with `exchange`, a delayed round: the local model keeps the inner steps
-        taken since, see swarm/overlap.py), or take the swarm's state, or discard it and keep local progress."""
-        committed, close_start = outcome.averaged is not None, time.perf_counter()
-        if checkpoint and exchange is None and not committed:
-            self.checkpointer.abort()
-        if committed:
-            self._settle_checkpoint()
-            if exchange is None:
-                self.fragments.boundary.outer_step(outcome.averaged)
-                self.samples_since_commit = 0
-            else:
-                exchange.land(self.fragments.boundary, outcome.averaged)
-            self.error_feedback = outcome.residual if self.cfg.swarm.error_feedback else None
-        elif exchange is not None:
-            exchange.drop(self.fragments.boundary)
-        if not committed and outcome.behind:
-            log.warning("round %d: %s", self.diloco.round + 1, outcome.note)
-            self.catch_up(outcome.donors or None)
-        elif not committed:
-            log.warning("round %d discarded (%s): keeping local progress for the next attempt",
-                        self.diloco.round + 1, outcome.note)
+    def _close_round(self, exchange: Exchange, outcome: RoundOutcome, checkpoint: bool, close_start: float) -> None:
+        """The round's last exchange settled (`_settle`): evaluate the committed global parameters, record the round
+        with the communication of all its exchanges, finish its checkpoint and tell `on_round`."""
+        committed, facts = outcome.averaged is not None, self.closing
         eval_loss, eval_start = None, time.perf_counter()
         if committed and self.diloco.round % self.cfg.diloco.eval_every == 0:
-            eval_loss = self._evaluate_global(local_differs=exchange is not None or self.cfg.diloco.fragments > 1)
+            eval_loss = self._evaluate_global(local_differs=exchange.delayed or self.fragments.streaming)
             self.last_eval = (self.diloco.round, eval_loss)
         eval_s = time.perf_counter() - eval_start
         record = RoundRecord(
-            round=self.diloco.round, committed=committed, train_loss=train_loss, eval_loss=eval_loss,
+            round=self.diloco.round, committed=committed, train_loss=facts["train_loss"], eval_loss=eval_loss,
             global_sha256=self.diloco.global_sha256(), group_size=outcome.group_size,
-            samples=outcome.total_samples, compute_s=compute_s, comm_s=outcome.comm_s,
-            allreduce_s=outcome.allreduce_s,
-            bytes_sent=outcome.bytes_sent, bytes_received=outcome.bytes_received,
-            tokens_per_s=tokens_per_s, note=outcome.note, time=time.time(), eval_s=eval_s, wait_s=wait_s,
-            start_time=time.time() - (time.perf_counter() - start),
+            samples=outcome.total_samples, compute_s=facts["compute_s"], **self.comm,
+            tokens_per_s=facts["tokens_per_s"], note=outcome.note, time=time.time(), eval_s=eval_s,
+            start_time=time.time() - (time.perf_counter() - facts["start"]),
         )
-        self.fragments.fold_into(record)  # diloco.fragments: the round's mid-round exchanges
+        self.comm = dict(_COMM)
         self.history.rounds.append(record)
+        if committed:
+            self.non_finite_tries = 0
         if checkpoint and committed:  # the rest goes to disk while the next round's inner steps run
             inner, rest, meta = self._checkpoint_parts()
-            if exchange is not None:  # mid-round: the moments must be on disk before the next inner step
+            if exchange.delayed:  # mid-round: the moments must be on disk before the next inner step
                 self.checkpointer.begin(inner)
                 self.checkpointer.wait_begun()
             self.checkpointer.commit(rest, meta)
         if committed:
             self.serve_state()
-        if exchange is None:
-            record.overhead_s = max(0.0, time.perf_counter() - start - compute_s - record.comm_s)
-        else:  # the snapshot and launch of the exchange, then this close
-            record.overhead_s = launch_s + time.perf_counter() - close_start
+        if exchange.delayed:  # the snapshot and launch of the exchange, then this close
+            record.overhead_s = exchange.launch_s + time.perf_counter() - close_start
+        else:
+            record.overhead_s = max(0.0, time.perf_counter() - facts["start"] - facts["compute_s"] - record.comm_s)
         if committed:
             log.info("round %d committed: train loss %.4f, eval loss %s, group %d, %.0f tokens/s, compute %.1fs, "
-                     "comm %.2fs, overhead %.2fs, global %s", record.round, train_loss,
-                     "-" if eval_loss is None else f"{eval_loss:.4f}", outcome.group_size, tokens_per_s, compute_s,
-                     outcome.comm_s, record.overhead_s, record.global_sha256[:12])
-        return record
+                     "comm %.2fs, overhead %.2fs, global %s", record.round, record.train_loss,
+                     "-" if eval_loss is None else f"{eval_loss:.4f}", outcome.group_size, record.tokens_per_s,
+                     record.compute_s, outcome.comm_s, record.overhead_s, record.global_sha256[:12])
+        if self.metrics is not None:
+            self.metrics.round(record, self.step)
+        if "dump" in facts:
+            dump_round(self.out_dir / "tensors", len(self.history.rounds), record, facts["dump"], self.diloco)
+        if self.on_round is not None:
+            self.on_round(record)

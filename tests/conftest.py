@@ -1,19 +1,62 @@
-"""Shared helpers: a tiny config that trains in seconds, a way to run the `swarm` CLI, and a solo run stopped
-after a round and resumed."""
+"""Shared helpers: a tiny config that trains in seconds, ways to run the `swarm` CLI (in a process of its own,
+or in this one), a solo run stopped after a round and resumed, and the `slow` mark `make test-fast` leaves out."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import pytest
+import torch
 
+from peers.forkserver import ForkServer
 from swarm.averaging import RoundOutcome, SoloAverager
 from swarm.config import Config
 from swarm.configfile import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# `make test-fast` (`pytest -m "not slow"`) runs the tests that start no other process, in about a minute:
+# a test is `slow` when its module starts peers or swarms (listed here), when it takes a fixture that starts
+# DHTs, peers or `swarm` commands, when it is listed by name here (tests of other modules that start one),
+# or when it is marked `@pytest.mark.slow` itself (a long computation). `make test` runs every test.
+SLOW_MODULES = {
+    "test_bench", "test_cli_errors", "test_faults", "test_monitor_browser", "test_ranks", "test_swarm",
+    "test_allreduce_peers", "test_dht", "test_manifest", "test_matchmaking", "test_nat", "test_robust_peers",
+    "test_shaped_link", "test_trust", "test_launcher",
+}
+SLOW_FIXTURES = {"bootstrap", "cli", "dhts", "fork_server", "pair", "peers", "stock_bootstrap", "swarm_cmd"}
+SLOW_TESTS = {
+    "tests/test_export.py::test_the_printed_snippet_runs",
+    "tests/test_resume.py::test_a_networked_peer_resumes_by_rerun_and_the_swarm_s_state_exports",
+    "tests/net/test_clients.py::test_a_client_takes_part_owns_nothing_and_ends_with_the_same_average",
+    "tests/net/test_clients.py::test_verify_parts_refuses_a_group_with_a_client",
+}
+
+
+# `make test` runs the suite on two workers (pytest-xdist, `-n 2 --maxschedchunk 2`: each takes the next test
+# as it frees up). The modules that take longest go first, so that the two end together rather than one waiting
+# for a long test that started last; measured on 2 cores, longest first (the rest keep their order).
+LONGEST_MODULES = [
+    "test_faults", "test_ranks", "test_allreduce_peers", "test_resume", "test_monitor_browser", "test_launcher",
+    "test_dht", "test_nat", "test_shaped_link", "test_robust_peers", "test_join", "test_inner", "test_swarm",
+    "test_trainer", "test_bench", "test_export", "test_matchmaking",
+]
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if (item.module.__name__.rpartition(".")[2] in SLOW_MODULES or SLOW_FIXTURES & set(item.fixturenames)
+                or item.nodeid.partition("[")[0] in SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)
+    rank = {name: i for i, name in enumerate(LONGEST_MODULES)}
+    items.sort(key=lambda item: rank.get(item.module.__name__.rpartition(".")[2], len(rank)))  # stable
 
 
 def tiny_config(**sections) -> Config:
@@ -24,15 +67,102 @@ def tiny_config(**sections) -> Config:
         "inner": {"warmup_steps": 2},
         "diloco": {"rounds": 3, "inner_steps": 4, "delay": 0, "threads": 1},  # overlap: where a test asks for it
         "logging": {"progress_bar": False},
+        "swarm": {"host_maddrs": ["/ip4/127.0.0.1/tcp/0"]},  # tests stay on loopback
     }
     for name, values in sections.items():
         overrides.setdefault(name, {}).update(values)
     return load_config(ROOT / "configs" / "tiny.yaml", overrides)
 
 
-def run_cli(*args: str, timeout: float = 120, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "swarm.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout)
+def scratch_folder(tmp_path_factory=None) -> Path:
+    """A fresh folder to run `swarm` commands in that shows the repository's configs/ and bench/: what a peer
+    without `--out` writes (runs/) lands there, never in the repository."""
+    folder = tmp_path_factory.mktemp("cwd") if tmp_path_factory else Path(tempfile.mkdtemp(prefix="swarm-cwd-"))
+    for name in ("configs", "bench"):
+        (folder / name).symlink_to(ROOT / name)
+    return folder
+
+
+def run_cli(*args: str, timeout: float = 120, cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
+    """`python -m swarm.cli ARGS` in a fresh interpreter (by default in a scratch folder): for what the fork
+    server does not give (an interpreter that has imported nothing yet)."""
+    return subprocess.run([sys.executable, "-m", "swarm.cli", *args], cwd=cwd or scratch_folder(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def fork_server(token_cache):
+    """One fork server for the session (peers/forkserver.py): every peer and `swarm` command a test starts is
+    forked from it instead of importing torch and hivemind again."""
+    server = ForkServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def swarm_cmd(fork_server, tmp_path_factory):
+    """`swarm ARGS` forked from the session's fork server, waited for: a CompletedProcess (stdout, stderr
+    text). SIGKILLed past `timeout`, failing the test with the end of its stderr."""
+    def run(*args: str, timeout: float = 120, cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
+        cwd = cwd or scratch_folder(tmp_path_factory)
+        folder = tmp_path_factory.mktemp("cmd")
+        out, err = folder / "stdout", folder / "stderr"
+        child = fork_server.spawn(list(args), out, err, cwd=cwd)
+        try:
+            code = child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            pytest.fail(f"swarm {' '.join(args)}: still running after {timeout}s; its stderr ends:\n"
+                        f"{err.read_text()[-3000:]}")
+        return subprocess.CompletedProcess(["swarm", *args], code, out.read_text(), err.read_text())
+    return run
+
+
+@pytest.fixture(scope="session", autouse=True)
+def token_cache(tmp_path_factory):
+    """Prepared corpora (swarm/tokens.py) go to one folder of this session, shared by the peers it starts, never
+    to the user's ~/.cache."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # under xdist: one cache for the session's workers
+    folder = (tmp_path_factory.getbasetemp().parent / "token-cache" if worker else
+              tmp_path_factory.mktemp("token-cache"))
+    folder.mkdir(exist_ok=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(folder))
+        yield folder
+
+
+@dataclass
+class CliResult:
+    """What a `swarm` command called in this process left: its exit code and what it printed."""
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch, tmp_path_factory):
+    """`swarm.cli.main(args)` in this process, as a `CliResult`: for tests of an exit code and an error line, which
+    would otherwise spend most of their time starting an interpreter and importing torch and hivemind. It runs
+    in a folder of its own that shows the repository's configs/ (so `runs/`, where a peer without `--out`
+    writes, is never the repository's). A peer command sets the SIGTERM handler and torch's thread count: both
+    are restored afterwards."""
+    from swarm.cli import main
+
+    monkeypatch.chdir(scratch_folder(tmp_path_factory))
+    sigterm, threads = signal.getsignal(signal.SIGTERM), torch.get_num_threads()
+
+    def call(*args: str) -> CliResult:
+        capsys.readouterr()
+        try:
+            with pytest.raises(SystemExit) as exited:
+                main(list(args))
+        finally:
+            signal.signal(signal.SIGTERM, sigterm)
+            torch.set_num_threads(threads)
+        out, err = capsys.readouterr()
+        return CliResult(exited.value.code, out, err)
+    return call
 
 
 @pytest.fixture
@@ -46,7 +176,8 @@ class Interrupt(Exception):
 
 def resumed_after(cfg: Config, out_dir: Path, stop_round: int):
     """A solo Trainer stopped (by an exception, as a crash would) once round `stop_round` committed, then a
-    fresh Trainer on the same folder trained to the end: returned, to compare with an uninterrupted run."""
+    fresh Trainer on the same folder trained to the end: returned, to compare with an uninterrupted run of peer
+    "a" (the same identity: it seeds the batch order, swarm/data.py)."""
     from swarm.averaging import SoloAverager
     from swarm.trainer import Trainer
 
@@ -55,8 +186,8 @@ def resumed_after(cfg: Config, out_dir: Path, stop_round: int):
             raise Interrupt
 
     with pytest.raises(Interrupt):
-        Trainer(cfg, SoloAverager(), "b", shard=0, out_dir=out_dir, on_round=stop).train()
-    resumed = Trainer(cfg, SoloAverager(), "b", shard=0, out_dir=out_dir)
+        Trainer(cfg, SoloAverager(), "a", shard=0, out_dir=out_dir, on_round=stop).train()
+    resumed = Trainer(cfg, SoloAverager(), "a", shard=0, out_dir=out_dir)
     resumed.train()
     return resumed
 

@@ -41,3 +41,21 @@ def test_replayed_a_fast_peer_waits_for_the_slowest():
     fast, slow = replayed(rounds, 10, 0.1, 5)  # delayed: the exchange hides behind the slow peer's steps ...
     assert slow == pytest.approx(1.0)
     assert fast == pytest.approx(1 / 1.5, abs=0.01)  # ... and the fast peer goes at its pace, after a transient
+
+
+def test_the_churn_report_finds_the_minority_lineage_and_the_switches():
+    from bench.churn import report
+
+    def peer(hashes, downloads=(), final=None):
+        rounds = [{"round": r + 1, "committed": True, "global_sha256": h} for r, h in enumerate(hashes)]
+        return {"rounds": rounds, "final_global_sha256": final or hashes[-1], "rounds_completed": len(hashes),
+                "events": [{"event": "state_downloaded", "from_round": a, "to_round": b} for a, b in downloads]}
+    runs = [{"name": "p0", "index": 0, "killed": False, "rc": 0, "summary": peer(["a", "b", "c"]), "last_line": ""},
+            {"name": "p1", "index": 1, "killed": False, "rc": 0, "summary": peer(["a", "b", "c"]), "last_line": ""},
+            {"name": "p2", "index": 2, "killed": True, "rc": -9, "summary": None, "last_line": ""},
+            {"name": "p3", "index": 3, "killed": False, "rc": 1, "summary": peer(["a", "x", "y"], [(1, 2)]),
+             "last_line": "nobody serves it"}]
+    got = report({"runs": runs})
+    assert [r["minority_rounds"] for r in got["finishers"]] == [[], [], [2, 3]]
+    assert got["finishers"][2]["downloads"] == ["1->2"] and got["finishers"][2]["last_line"] == "nobody serves it"
+    assert (got["one_hash"], got["all_exit_0"], got["processes"], got["killed"]) == (False, False, 4, 1)

@@ -3,8 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from swarm.config import ConfigError
+from swarm.config import ConfigError, shared_config
 from swarm.configfile import load_config, parse_overrides
+from swarm.runid import RunIdentity
 from tests.conftest import ROOT, run_cli
 
 pytestmark = pytest.mark.timeout(60)
@@ -55,8 +56,10 @@ def test_overrides_in_both_forms():
     (["--diloco.fragments", "0"], "diloco.fragments"),
     (["--diloco.fragments", "41"], "diloco.fragments 41 must be in [1, diloco.inner_steps = 40]"),
     (["--diloco.fragments", "2", "--diloco.delay", "20"], "diloco.delay 20 must be in [0, diloco.inner_steps // "),
-    (["--diloco.inner_steps", "4"], "diloco.delay 4 must be in [0, diloco.inner_steps // diloco.fragments = 4): an "
-                                    "exchange lands before the next one starts (--diloco.delay 0: blocking rounds)"),
+    (["--diloco.inner_steps", "4", "--diloco.delay", "4"],
+     "diloco.delay 4 must be in [0, diloco.inner_steps // diloco.fragments = 4): an exchange lands before the next "
+     "one starts (--diloco.delay 0: blocking rounds)"),
+    (["--diloco.delay", "soon"], "diloco.delay"),
     (["--diloco.fragments", "2.5"], "diloco.fragments"),
     (["--diloco.mix_alpha", "1.5"], "diloco.mix_alpha"),
     (["--diloco.mix_alpha", "-0.1"], "diloco.mix_alpha"),
@@ -68,6 +71,9 @@ def test_overrides_in_both_forms():
     (["--swarm.allowed_peers", "QmaN6eWoit9vsGKnZdDbsEXTfXcBFT5e6VWhv3FTukYcCL"], "swarm.allowed_peers"),
     (["--swarm.auth", "closed"], "swarm.auth"),
     (["--swarm.identity_path", "k"], "swarm.identity_path' was replaced by swarm.identity"),
+    (["--swarm.identity_work", "-1"], "swarm.identity_work -1 must be an integer in [0, 27]"),
+    (["--swarm.identity_work", "28"], "swarm.identity_work 28 must be an integer in [0, 27]"),
+    (["--swarm.identity_work", "1.5"], "swarm.identity_work"),
     (["--swarm.max_weight_share", "0"], "swarm.max_weight_share"),
     (["--swarm.max_weight_share", "1.5"], "swarm.max_weight_share"),
     (["--swarm.clip_norm_ratio", "0.5"], "swarm.clip_norm_ratio"),
@@ -84,11 +90,32 @@ def test_bad_overrides_name_the_culprit(overrides, culprit):
         load_config(ROOT / "configs" / "tiny.yaml", overrides)
 
 
-def test_robust_rule_is_in_the_fingerprint_only_when_set():
-    plain = load_config(ROOT / "configs" / "tiny.yaml")
-    robust = load_config(ROOT / "configs" / "tiny.yaml", ["--swarm.aggregation", "trimmed_mean"])
-    assert plain.fingerprint() == load_config(ROOT / "configs" / "tiny.yaml", ["--swarm.max_weight_share", "1"]).fingerprint()
-    assert robust.fingerprint() != plain.fingerprint()
+@pytest.mark.parametrize("config, overrides, delay", [
+    ("tiny.yaml", [], 4), ("tiny.yaml", ["--diloco.inner_steps", "4"], 0), ("tiny.yaml", ["--diloco.inner_steps", "2", "--inner.warmup_steps", "2"], 0),
+    ("tiny.yaml", ["--diloco.inner_steps", "400"], 40), ("tiny.yaml", ["--diloco.fragments", "2"], 2),
+    ("tiny.yaml", ["--diloco.delay", "7"], 7), ("llama-150m.yaml", [], 50),
+    ("llama-150m.yaml", ["--diloco.inner_steps", "30", "--inner.warmup_steps", "10"], 3),
+])
+def test_delay_auto_is_a_tenth_of_the_steps_between_exchanges(config, overrides, delay):
+    """The shipped configs say `delay: auto`: changing H or F never makes them invalid."""
+    assert load_config(ROOT / "configs" / config, overrides).diloco.delay == delay
+
+
+def test_the_robust_rule_is_in_the_fingerprint_and_bounds_influence_by_default():
+    """Peers that reduce by other rules must not meet; the defaults bound one peer's influence (an open swarm
+    relaxing them is warned: `relaxed`), and setting a default explicitly changes nothing."""
+    def fingerprint(cfg) -> str:
+        return RunIdentity(shared_config(cfg), "").fingerprint
+    default = load_config(ROOT / "configs" / "tiny.yaml")
+    s = default.swarm
+    assert (s.max_weight_share, s.clip_norm_ratio, s.aggregation, s.verify_parts) == (0.5, 4.0, "trimmed_mean", False)
+    assert s.relaxed() == []
+    explicit = load_config(ROOT / "configs" / "tiny.yaml", ["--swarm.aggregation", "trimmed_mean"])
+    assert fingerprint(explicit) == fingerprint(default)
+    plain = load_config(ROOT / "configs" / "tiny.yaml", ["--swarm.aggregation", "mean", "--swarm.max_weight_share", "1",
+                                                         "--swarm.clip_norm_ratio", "0"])
+    assert fingerprint(plain) != fingerprint(default)
+    assert plain.swarm.relaxed() == ["max_weight_share 1", "clip_norm_ratio 0", "aggregation mean"]
 
 
 def test_unknown_key_in_yaml(tmp_path):

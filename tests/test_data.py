@@ -6,12 +6,14 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+import numpy as np
 import pytest
 import torch
 
+from bench.data import train_bpe
 from swarm import data
 from swarm.configfile import load_config
-from swarm.errors import UsageError
+from swarm.errors import SwarmError, UsageError
 
 
 def data_cfg(**values):
@@ -28,16 +30,7 @@ def write_lines(folder, n=120, name="part.txt"):
 
 def build_local_tokenizer(path, texts):
     """A small BPE tokenizer trained here and saved as a PreTrainedTokenizerFast (no download)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>", "<unk>"],
-                                                          show_progress=False))
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>").save_pretrained(path)
-    return str(path)
+    return train_bpe(texts, path, 300)
 
 
 @pytest.mark.timeout(60)
@@ -69,7 +62,8 @@ def test_embedded_split_and_shards_are_disjoint():
         for step in (0, 1, 17):
             assert set(tb.window_ids(step)) <= ids
         batch = tb.batch(3)
-        expected = torch.stack([corpus.train[k * 64:(k + 1) * 64] for k in tb.window_ids(3)]).long()
+        expected = torch.stack([torch.from_numpy(corpus.train[k * 64:(k + 1) * 64].astype("int64"))
+                                for k in tb.window_ids(3)])
         assert batch.dtype == torch.int64 and batch.shape == (4, 64) and torch.equal(batch, expected)
 
 
@@ -170,3 +164,82 @@ def test_shard_index_stable_and_in_range():
     assert data.stable_hash("shard", "run-a", "peer-0", 3) == 6526269930229717581
     assert ids[:5] == [4, 6, 5, 4, 0]
     assert data.shard_index(data_cfg(num_shards=7, seed=3, shard=5), "run-a", "peer-0") == 5
+
+
+@pytest.mark.timeout(60)
+def test_a_prepared_corpus_is_tokenized_once_and_memory_mapped(tmp_path):
+    lines = write_lines(tmp_path / "txt", n=200)
+    cfg = data_cfg(source="hf", dataset=str(tmp_path / "txt"), num_shards=2, seq_len=16, batch_size=4,
+                   cache_dir=str(tmp_path / "cache"))
+    calls = []
+    corpus = data.load_corpus(cfg, cache=False, progress=lambda docs, tokens: calls.append((docs, tokens)))
+    folder = corpus.prepared.folder
+    assert folder.parent == tmp_path / "cache" and calls[-1][0] == 200
+    assert isinstance(corpus.train, np.memmap) and corpus.train.dtype == np.uint16
+    assert sorted(p.name for p in folder.iterdir()) == ["eval.bin", "eval_keys.txt", "meta.json", "train.bin",
+                                                        "train_keys.txt", "verified.json"]
+    stamp = (folder / "train.bin").stat().st_mtime_ns
+    again = data.load_corpus(cfg, cache=False, verify=True, progress=lambda *a: pytest.fail("tokenized again"))
+    assert (folder / "train.bin").stat().st_mtime_ns == stamp and np.array_equal(again.train, corpus.train)
+    assert corpus.tokenizer.decode(corpus.train[: len(lines[0].encode()) + 1].tolist()) == lines[0] + "\0"
+    # another setting is another corpus; a changed input file is too
+    assert data.load_corpus(data_cfg(**{**cfg.__dict__, "eval_fraction": 0.3})).prepared.folder != folder
+    write_lines(tmp_path / "txt", n=201)
+    assert data.load_corpus(cfg, cache=False).prepared.folder != folder
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupted_prepare_is_started_over_and_a_damaged_corpus_is_refused(tmp_path):
+    write_lines(tmp_path / "txt", n=120)
+    cfg = data_cfg(source="hf", dataset=str(tmp_path / "txt"), cache_dir=str(tmp_path / "cache"))
+
+    def interrupted(documents, tokens):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        data.load_corpus(cfg, cache=False, progress=interrupted)
+    partial = [p.name for p in (tmp_path / "cache").iterdir() if p.name.endswith(".partial")]
+    assert len(partial) == 1  # what was interrupted is not taken for a corpus ...
+    folder = data.load_corpus(cfg, cache=False).prepared.folder  # ... and is started over
+    assert not (tmp_path / "cache" / partial[0]).exists() and (folder / "meta.json").exists()
+
+    data_bytes = (folder / "train.bin").read_bytes()
+    (folder / "train.bin").write_bytes(data_bytes[:-2])
+    with pytest.raises(SwarmError, match=rf"prepared corpus {folder} is unreadable: train.bin holds \d+ bytes"):
+        data.load_corpus(cfg, cache=False)
+    (folder / "train.bin").write_bytes(data_bytes[:-2] + b"zz")  # the same size, other tokens: written to since
+    with pytest.raises(SwarmError, match=rf"prepared corpus {folder} fails its hash"):  # hashed before training
+        data.load_corpus(cfg, cache=False)
+    stamp = (folder / "verified.json").read_text()
+    os.utime(folder / "train.bin", ns=tuple(json.loads(stamp)["train"][1:] * 2))  # the time it was hashed at
+    data.load_corpus(cfg, cache=False)  # an unchanged stamp: opened without reading a token ...
+    with pytest.raises(SwarmError, match=rf"prepared corpus {folder} fails its hash"):
+        data.load_corpus(cfg, cache=False, verify=True)  # ... `swarm data prepare` re-hashes whatever the stamp
+    (folder / "train.bin").write_bytes(data_bytes)
+    data.load_corpus(cfg, cache=False)  # restored: hashed again, and noted as verified
+    assert (folder / "verified.json").read_text() != stamp
+
+
+@pytest.mark.timeout(60)
+def test_data_leases_are_computed_in_pieces_and_partition_every_window():
+    cfg = data_cfg(num_shards=7, seed=3)
+    n = (1 << 20) + 12345  # more than one piece
+    shards = [data.shard_windows(n, cfg, s) for s in range(7)]
+    every = np.concatenate(shards)
+    assert len(every) == n and np.array_equal(np.sort(every), np.arange(n))
+    assert all(abs(len(s) - n / 7) < 5 * (n / 7) ** 0.5 for s in shards)  # balanced within 5 sigma
+    assert np.array_equal(shards[2][:50], data.shard_windows(50 * 7 * 4, cfg, 2)[:50])  # window k's shard is k's
+
+
+@pytest.mark.timeout(60)
+def test_a_txt_file_is_read_without_datasets_into_the_records_datasets_gives(tmp_path):
+    """One document per line after universal-newline translation, empty lines counted but skipped: the records of
+    `datasets`' text builder, so a corpus's keys (and hash) do not depend on which reader read it."""
+    import datasets
+
+    text = "first line\r\nsecond\n\n  \nthird\rfourth é\u2028 same line\nlast, no newline"
+    (tmp_path / "a.txt").write_bytes(text.encode())
+    cfg = data_cfg(source="hf", dataset=str(tmp_path / "a.txt"))
+    ds = datasets.load_dataset("text", data_files=str(tmp_path / "a.txt"), split="train", streaming=True)
+    expected = [(str(i), r["text"]) for i, r in enumerate(ds) if r["text"].strip()]
+    assert list(data.iter_documents(cfg)) == expected and [k for k, _ in expected] == ["0", "1", "4", "5", "6"]

@@ -6,9 +6,9 @@ import torch
 
 from swarm.averaging import Averager, RoundOutcome
 from swarm.diloco import PseudoGradient
+from swarm.net.allreduce.layout import part_bounds
 from swarm.net.codec import get_codec
-from swarm.net.layout import part_bounds
-from swarm.state import shared_tensors
+from swarm.state import StateNames, shared_tensors
 from swarm.trainer import Trainer
 from tests.conftest import tiny_config
 
@@ -78,7 +78,8 @@ def test_trainer_adds_residual_to_next_pseudo_gradient_and_checkpoints_it(tmp_pa
     for a, b in zip(averager.sent[1], averager.plain[1]):
         assert torch.allclose(a, b + 0.001)  # round 1's residual was added
     tensors, _ = trainer.checkpointer.load_all()
-    feedback = [tensors[f"error_feedback.{i}"] for i in range(len(averager.sent[0]))]
+    names = StateNames.of(trainer.model)  # a checkpoint names them by parameter: error_feedback.<state_dict name>
+    feedback = [tensors[names.named(f"error_feedback.{i}")] for i in range(len(averager.sent[0]))]
     assert all(torch.equal(e, torch.full_like(e, 0.002)) for e in feedback)
     assert not any(k.startswith("error_feedback") for k in shared_tensors(trainer.diloco, trainer.optimizer))
     resumed = Trainer(cfg, averager, "p", shard=0, out_dir=tmp_path)

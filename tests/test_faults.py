@@ -4,12 +4,11 @@ and no round takes longer than its time-out plus slack."""
 
 import json
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
+from swarm.checkpoint import Checkpointer
 from swarm.configfile import load_config
 from swarm.net.budget import round_deadline
 from tests.conftest import ROOT
@@ -52,17 +51,15 @@ def read_status(child) -> dict:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("delay, fragments", [(0, 1), (4, 2)])
-def test_local_swarm_kill_inside_allreduce_and_join(tmp_path, delay, fragments):
+def test_local_swarm_kill_inside_allreduce_and_join(tmp_path, delay, fragments, swarm_cmd):
     """The issue's demo, shrunk: `swarm local --kill 1@2:allreduce --join 2`, blocking, and with overlap on: two
     fragments exchanged in turn, each behind the next 4 inner steps (diloco.delay; the round's closing exchange
     runs behind the next round's, as with one fragment). The kill falls inside round 2's closing exchange; the
     joiner may take a mid-round state."""
-    result = subprocess.run(
-        [sys.executable, "-m", "swarm.cli", "local", "--config", "configs/tiny.yaml", "--peers", "3",
-         "--rounds", "4", "--kill", "1@2:allreduce", "--join", "2", "--out", str(tmp_path), *SMALL,
-         "--diloco.inner_steps", "10", "--faults.step_delay", "0.2", "--diloco.delay", str(delay),
-         "--diloco.fragments", str(fragments)],
-        cwd=ROOT, capture_output=True, text=True, timeout=280)
+    result = swarm_cmd("local", "--config", "configs/tiny.yaml", "--peers", "3", "--rounds", "4",
+                       "--kill", "1@2:allreduce", "--join", "2", "--out", str(tmp_path), *SMALL,
+                       "--diloco.inner_steps", "10", "--faults.step_delay", "0.2", "--diloco.delay", str(delay),
+                       "--diloco.fragments", str(fragments), timeout=280)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     kinds = [e["event"] for e in summary["events"]]
@@ -78,23 +75,23 @@ def test_local_swarm_kill_inside_allreduce_and_join(tmp_path, delay, fragments):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("checkpoint, delay", [("intact", 4), ("corrupt", 0)])
-def test_crash_and_restart_resumes_and_catches_up(tmp_path, checkpoint, delay):
+def test_crash_and_restart_resumes_and_catches_up(tmp_path, checkpoint, delay, fork_server):
     """b dies in round 3 and restarts on its folder; a holds before round 4 until b is back (a restart takes
     seconds, a tiny round less: without the hold a could finish all rounds first, and b rightly stop). With
     overlap on (delay 4 of 6 inner steps) b dies at inner step 3 of round 3, round 2's exchange still in flight:
     its checkpoint holds round 1, and it catches up from a."""
     hold = tmp_path / "hold-a"
     hold.touch()
-    with local_swarm(tmp_path) as swarm:
+    with local_swarm(tmp_path, fork_server) as swarm:
         a, b, args = two_peers(swarm, 5, "--faults.kill_round", "3", "--diloco.delay", str(delay),
                                a_faults=("--faults.hold_round", "4", "--faults.hold_file", str(hold),
                                          "--diloco.delay", str(delay)))
         b.proc.wait(timeout=200)
         assert b.proc.returncode == -signal.SIGKILL
-        saved = tmp_path / "b" / "checkpoint" / "checkpoint.pt"
-        assert saved.exists()
+        saved = Checkpointer(tmp_path / "b" / "checkpoint").latest()
+        assert saved is not None
         if checkpoint == "corrupt":
-            saved.write_bytes(saved.read_bytes()[:1000])
+            (saved / "global.safetensors").write_bytes((saved / "global.safetensors").read_bytes()[:1000])
         (tmp_path / "b" / "status.json").unlink()  # b2 writes its own
         b2 = swarm.start_peer("b", *args, "--data.shard", "1", "--diloco.delay", str(delay))  # resume, catch up
         deadline = time.time() + 120
@@ -116,9 +113,9 @@ def test_crash_and_restart_resumes_and_catches_up(tmp_path, checkpoint, delay):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("delay", [0, 4])
-def test_sigterm_leaves_cleanly_and_the_rest_carry_on(tmp_path, delay):
+def test_sigterm_leaves_cleanly_and_the_rest_carry_on(tmp_path, delay, fork_server):
     """With overlap on, the leaver may stop with an exchange in flight: it checkpoints its last committed round."""
-    with local_swarm(tmp_path) as swarm:
+    with local_swarm(tmp_path, fork_server) as swarm:
         swarm.start_bootstrap()
         args = ["--diloco.rounds", "4", "--diloco.inner_steps", "6", "--swarm.target_group_size", "3",
                 "--diloco.delay", str(delay)]
@@ -133,7 +130,7 @@ def test_sigterm_leaves_cleanly_and_the_rest_carry_on(tmp_path, delay):
         leaver.proc.wait(timeout=30)
         assert leaver.proc.returncode == 128 + signal.SIGTERM, swarm.log(leaver)[-2000:]
         assert "swarm: stopped by SIGTERM" in swarm.log(leaver)
-        assert (leaver.out_dir / "checkpoint" / "checkpoint.pt").exists()
+        assert Checkpointer(leaver.out_dir / "checkpoint").latest() is not None
         assert (leaver.out_dir / "peer.json").exists()
         assert json.loads((leaver.out_dir / "summary.json").read_text())["peers"][0]["rounds_completed"] >= 1
         swarm.wait(peers[:2], timeout=240)
@@ -143,8 +140,8 @@ def test_sigterm_leaves_cleanly_and_the_rest_carry_on(tmp_path, delay):
 
 
 @pytest.mark.timeout(300)
-def test_slow_peer_contributes_the_steps_it_has(tmp_path):
-    with local_swarm(tmp_path) as swarm:
+def test_slow_peer_contributes_the_steps_it_has(tmp_path, fork_server):
+    with local_swarm(tmp_path, fork_server) as swarm:
         swarm.start_bootstrap()
         args = ["--diloco.rounds", "3", "--diloco.inner_steps", "8", "--swarm.target_group_size", "2",
                 "--logging.dump_tensors", "true"]
@@ -160,15 +157,15 @@ def test_slow_peer_contributes_the_steps_it_has(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_full_swarm_restart_continues_from_the_last_round(tmp_path):
+def test_full_swarm_restart_continues_from_the_last_round(tmp_path, fork_server):
     args = ["--diloco.inner_steps", "5", "--swarm.target_group_size", "2"]
-    with local_swarm(tmp_path) as swarm:
+    with local_swarm(tmp_path, fork_server) as swarm:
         swarm.start_bootstrap()
         first = [swarm.start_peer(f"p{i}", *args, "--diloco.rounds", "2", "--data.shard", str(i)) for i in range(2)]
         swarm.wait(first, timeout=200)
         assert all(p.proc.returncode == 0 for p in first)
         before = [swarm.summary(p) for p in first]
-    with local_swarm(tmp_path / "again") as swarm:
+    with local_swarm(tmp_path / "again", fork_server) as swarm:
         swarm.start_bootstrap()  # a brand-new DHT: nothing to download, only checkpoints
         again = [swarm.start_peer(f"p{i}", *args, "--diloco.rounds", "4", "--data.shard", str(i),
                                   "--checkpoint.dir", str(tmp_path / f"p{i}" / "checkpoint")) for i in range(2)]
@@ -181,11 +178,11 @@ def test_full_swarm_restart_continues_from_the_last_round(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_peer_restarted_after_the_swarm_finished_stops_instead_of_forking(tmp_path):
+def test_a_peer_restarted_after_the_swarm_finished_stops_instead_of_forking(tmp_path, fork_server):
     """Killed in round 2, restarted on its folder once the others finished round 4: its checkpoint holds round
     1, the swarm's commit records say round 4, nobody serves it any more. It must exit 1 naming the round,
     never train rounds 2-4 alone and exit 0 on a hash the swarm did not commit."""
-    with local_swarm(tmp_path) as swarm:
+    with local_swarm(tmp_path, fork_server) as swarm:
         a, b, args = two_peers(swarm, 4, "--faults.kill_round", "2")
         swarm.wait([a, b], timeout=240)
         assert b.proc.returncode == -signal.SIGKILL and a.proc.returncode == 0, swarm.log(a)[-3000:]
@@ -205,26 +202,25 @@ def test_a_peer_restarted_after_the_swarm_finished_stops_instead_of_forking(tmp_
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("delay", [0, 4])
-def test_a_peer_whose_model_goes_nan_takes_the_swarm_s_state(tmp_path, delay):
+def test_a_peer_whose_model_goes_nan_takes_the_swarm_s_state(tmp_path, delay, fork_server):
     """b's local model turns NaN in round 2: it stops announcing readiness, takes a's state of round 1 and
     trains on; both end on one hash, and no round ever averaged a NaN. With overlap on, round 1's exchange
     is still in flight when the model turns NaN (inner step 3) and lands (step 4) on the NaN local model."""
-    with local_swarm(tmp_path) as swarm:
+    with local_swarm(tmp_path, fork_server) as swarm:
         a, b, _ = two_peers(swarm, 4, "--faults.nan_round", "2", "--diloco.delay", str(delay),
                             a_faults=("--diloco.delay", str(delay)))
         swarm.wait([a, b], timeout=240)
         assert a.proc.returncode == 0 and b.proc.returncode == 0, swarm.log(b)[-3000:]
         log = swarm.log(b)
         summaries = [swarm.summary(a), swarm.summary(b)]
-    assert "the local model is not finite" in log and "caught up from round 1" in log
+    assert "the local model is not finite" in log and "this peer was at round 1)" in log
     assert [e["event"] for e in summaries[1]["events"]].count("non_finite_model") == 1
     assert_rounds_agree(summaries, 4)
 
 
-def test_a_solo_peer_whose_model_goes_nan_stops_with_one_line(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "swarm.cli", "peer", "--config", "configs/tiny.yaml", "--solo",
-                             "--out", str(tmp_path), *SMALL, "--diloco.rounds", "2", "--diloco.inner_steps", "4",
-                             "--faults.nan_round", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+def test_a_solo_peer_whose_model_goes_nan_stops_with_one_line(tmp_path, swarm_cmd):
+    result = swarm_cmd("peer", "--config", "configs/tiny.yaml", "--solo", "--out", str(tmp_path), *SMALL,
+                       "--diloco.rounds", "2", "--diloco.inner_steps", "4", "--faults.nan_round", "2")
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == ("swarm: error: round 2: the local model is not finite and "
                                                       "there is no peer to take a state from (this peer runs "

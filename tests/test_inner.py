@@ -15,7 +15,7 @@ from tests.conftest import ROOT, resumed_after, tiny_config
 
 
 def _train_steps(cfg, tmp_path, name: str, steps: int) -> tuple[Trainer, list[float]]:
-    trainer = Trainer(cfg, SoloAverager(), name, shard=0, out_dir=tmp_path / name)
+    trainer = Trainer(cfg, SoloAverager(), name, shard=0, out_dir=tmp_path / name, name="peer")  # one batch order
     return trainer, [trainer.inner_step() for _ in range(steps)]
 
 
@@ -35,7 +35,7 @@ def test_micro_batches_take_the_step_one_big_batch_takes(tmp_path):
 @pytest.mark.timeout(60)
 def test_bf16_autocast_computes_in_bf16_and_keeps_fp32_state(tmp_path):
     cfg = tiny_config(inner={"precision": "bf16", "micro_batch_size": 2})
-    trainer = Trainer(cfg, SoloAverager(), "bf16", shard=0, out_dir=tmp_path)
+    trainer = Trainer(cfg, SoloAverager(), "bf16", shard=0, out_dir=tmp_path, name="peer")
     seen = []
     trainer.model.lm_head.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
     losses = [trainer.inner_step() for _ in range(3)]

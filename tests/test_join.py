@@ -22,8 +22,15 @@ from swarm.net import schema
 from swarm.net.identity import load_identity
 from swarm.net.manifest import ManifestRefused, check_manifest, choose_manifest, shared_config
 from swarm.net.schema import CommitRecord, IndexRecord, ManifestRecord, ProgressRecord, RunRecord
-from tests.conftest import run_cli, tiny_config
+from swarm.runid import RunIdentity, run_identity
+from tests.conftest import tiny_config
 from tests.swarm_harness import local_swarm
+
+CORPUS = "c0ffee"  # a corpus hash: these manifests are never trained on
+
+
+def fingerprint(cfg: Config) -> str:
+    return RunIdentity(shared_config(cfg), CORPUS).fingerprint
 
 
 def test_every_per_peer_key_names_a_config_key():
@@ -57,27 +64,29 @@ def test_a_manifest_omits_per_peer_keys_and_reloads_to_the_same_run():
     assert "device" not in shared["diloco"] and "shard" not in shared["data"] and "identity" not in shared["swarm"]
     assert shared["model"]["hidden_size"] == 32 and shared["diloco"]["rounds"] == 3
     loaded = config_from_dict(json.loads(json.dumps(shared)))
-    assert loaded.fingerprint() == cfg.fingerprint()
+    assert fingerprint(loaded) == fingerprint(cfg)
     assert _shared_leaves(loaded) == _shared_leaves(cfg)
     assert len(json.dumps(shared)) < schema.MAX_MANIFEST_BYTES // 4
 
 
 def _manifest(cfg: Config, signed: float = 1.0, **fields) -> ManifestRecord:
-    values = dict(config=shared_config(cfg), fingerprint=cfg.fingerprint(), creator="creator", time=signed,
-                  version=schema.MANIFEST_VERSION)
+    values = dict(config=shared_config(cfg), fingerprint=fingerprint(cfg), creator="creator", time=signed,
+                  version=schema.MANIFEST_VERSION, corpus_sha256=CORPUS)
     return ManifestRecord(**{**values, **fields})
 
 
 def test_check_manifest_refuses_what_does_not_reproduce_the_run():
     cfg = tiny_config()
-    fp = cfg.fingerprint()
-    assert check_manifest("swarm-tiny", _manifest(cfg), fp).fingerprint() == fp
+    fp = fingerprint(cfg)
+    assert fingerprint(check_manifest("swarm-tiny", _manifest(cfg), fp)) == fp
     with pytest.raises(ManifestRefused, match=f"fingerprint {fp}, the run's peers signed 0123"):
         check_manifest("swarm-tiny", _manifest(cfg), "0123")
     wider = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hidden_size=64))
     forged = _manifest(wider, fingerprint=fp)  # claims the run's fingerprint, holds another model
-    with pytest.raises(ManifestRefused, match=f"its config gives fingerprint {wider.fingerprint()}, not the run's"):
+    with pytest.raises(ManifestRefused, match=f"its config gives fingerprint {fingerprint(wider)}, not the run's"):
         check_manifest("swarm-tiny", forged, fp)
+    with pytest.raises(ManifestRefused, match="its config gives fingerprint"):  # another corpus than it claims
+        check_manifest("swarm-tiny", _manifest(cfg, corpus_sha256="beef"), fp)
     unknown = _manifest(cfg)
     unknown.config["model"]["flash"] = True  # a key a newer version may know
     with pytest.raises(ManifestRefused, match="cannot read its config.*unknown config key 'model.flash'"):
@@ -92,21 +101,22 @@ def test_check_manifest_refuses_what_does_not_reproduce_the_run():
         check_manifest("swarm-tiny", sneaky, fp)
     with pytest.raises(ManifestRefused, match="its config is for run 'swarm-tiny'"):
         check_manifest("other", _manifest(cfg), fp)
-    with pytest.raises(ManifestRefused, match="manifest version 2 is newer"):
-        check_manifest("swarm-tiny", _manifest(cfg, version=2), fp)
+    with pytest.raises(ManifestRefused, match=f"manifest version {schema.MANIFEST_VERSION + 1} is newer"):
+        check_manifest("swarm-tiny", _manifest(cfg, version=schema.MANIFEST_VERSION + 1), fp)
 
 
-def test_the_config_most_peers_signed_wins():
+def test_the_manifest_of_the_run_s_fingerprint_wins():
     cfg = tiny_config()
-    fp = cfg.fingerprint()
-    other_lr = dataclasses.replace(cfg, inner=dataclasses.replace(cfg.inner, lr=0.5))  # same fingerprint
-    assert other_lr.fingerprint() == fp
+    fp = fingerprint(cfg)
+    other_lr = dataclasses.replace(cfg, inner=dataclasses.replace(cfg.inner, lr=0.5))
+    assert fingerprint(other_lr) != fp  # every run key is in the fingerprint
     honest = {"a": _manifest(cfg, 2.0), "b": _manifest(cfg, 3.0)}
-    stranger = {"s": _manifest(other_lr, 1.0)}  # signed earliest, but alone
+    stranger = {"s": _manifest(other_lr, 1.0, fingerprint=fp)}  # signed earliest, claims the run's fingerprint
     choice = choose_manifest("swarm-tiny", {**honest, **stranger}, fp)
     assert choice.signers == ["a", "b"] and choice.config.inner.lr == cfg.inner.lr and choice.record.time == 2.0
-    tie = choose_manifest("swarm-tiny", {"a": _manifest(cfg, 2.0), **stranger}, fp)
-    assert tie.signers == ["s"]  # one each: the earliest
+    assert choice.run.fingerprint == fp and choice.run.corpus_sha256 == CORPUS
+    alone = choose_manifest("swarm-tiny", {"a": _manifest(cfg, 2.0), **stranger}, fp)
+    assert alone.signers == ["a"]  # one each, but the stranger's does not reproduce the fingerprint
     bad = _manifest(cfg, fingerprint="0123")
     assert choose_manifest("swarm-tiny", {"a": _manifest(cfg), "x": bad}, fp).signers == ["a"]
     with pytest.raises(ManifestRefused, match="manifest of run 'swarm-tiny' refused: it is for fingerprint 0123"):
@@ -143,8 +153,14 @@ def test_join_overrides_only_per_peer_keys():
         "diloco": {"threads": 2}, "checkpoint": {"dir": "/x"}, "faults": {"hold_round": 1}}
     with pytest.raises(UsageError, match="cannot override model.hidden_size when joining run 'r': it is fixed by"):
         check_overrides("r", ["--diloco.threads", "2", "--model.hidden_size", "64"])
+    with pytest.raises(UsageError) as refused:  # the keys it takes, listed, not a Python name
+        check_overrides("r", ["--inner.lr", "3e-4"])
+    assert "a joiner may set only checkpoint.*, data.cache_dir, data.shard, diloco.device," in str(refused.value)
+    assert "PER_PEER_KEYS" not in str(refused.value)
     with pytest.raises(UsageError, match="swarm join takes no --config"):
         check_overrides("r", ["--config", "configs/tiny.yaml"])
+    # a demand on the manifest's signers (swarm.identity_work), not a change to the run's config
+    assert check_overrides("r", ["--swarm.identity_work", "12"]) == {"swarm": {"identity_work": 12}}
 
 
 def test_a_joined_config_written_for_torchrun_reloads_the_same(tmp_path):
@@ -161,7 +177,7 @@ def test_describe_run_takes_majorities():
                               time=now - age, serves_state=True)
 
     cfg = tiny_config()
-    fp = cfg.fingerprint()
+    fp = fingerprint(cfg)
     entries = {"a": IndexRecord(run_id="r", fingerprint=fp, params=100, time=1.0),
                "b": IndexRecord(run_id="r", fingerprint=fp, params=100, time=2.0),
                "s": IndexRecord(run_id="r", fingerprint=fp, params=10**12, time=3.0),
@@ -179,45 +195,52 @@ def test_describe_run_takes_majorities():
     assert "\x1b" not in table and "100" in table and "evil?[2Jrun" in table
 
 
-def _runs_row(maddr: str, run_id: str) -> list[str]:
-    result = run_cli("runs", "--initial-peers", maddr, timeout=60)
+def _runs_row(cli, maddr: str, run_id: str) -> list[str]:
+    result = cli("runs", "--initial-peers", maddr)
     assert result.returncode == 0, result.stderr[-2000:]
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith(run_id + " ")]
     return rows[0] if rows else []
 
 
 @pytest.mark.timeout(150)
-def test_a_peer_joins_by_run_name_and_ends_on_the_creators_parameters(tmp_path):
+def test_a_peer_joins_by_run_name_and_ends_on_the_creators_parameters(tmp_path, cli, fork_server):
     """The joiner has no config file: it reads the run's manifest and trains the run with the creator."""
     hold = tmp_path / "hold"
     hold.touch()  # both wait before their first round until `swarm runs` saw them: the rounds are shared
     held = ["--faults.hold_round", "1", "--faults.hold_file", str(hold)]
     rounds = ["--diloco.rounds", "3", "--diloco.inner_steps", "4", "--swarm.target_group_size", "2",
               "--swarm.min_group_size", "2"]
-    with local_swarm(tmp_path) as swarm:
+    with local_swarm(tmp_path, fork_server) as swarm:
         maddr = swarm.start_bootstrap()
         creator = swarm.start_peer("creator", *rounds, *held)
         out = tmp_path / "joiner"
-        joiner = spawn_child("joiner", ["join", "swarm-tiny", "--initial-peers", maddr, "--name", "joiner",
+        joiner = spawn_child(fork_server, "joiner", ["join", "swarm-tiny", "--initial-peers", maddr, "--name", "joiner",
                                         "--out", str(out), "--diloco.threads", "1", "--logging.progress_bar", "false",
-                                        "--swarm.bootstrap_timeout", "30", *held], out / "log.txt", out)
+                                        "--swarm.bootstrap_timeout", "30", "--swarm.host_maddrs",
+                                        "/ip4/127.0.0.1/tcp/0", *held], out / "log.txt", out)
         swarm.children.append(joiner)
         deadline = time.time() + 60
-        while (row := _runs_row(maddr, "swarm-tiny"))[2:3] != ["2"]:
+        while (row := _runs_row(cli, maddr, "swarm-tiny"))[2:3] != ["2"]:
             assert time.time() < deadline, f"swarm runs: {row}\n{swarm.log(joiner)[-3000:]}"
             assert joiner.proc.poll() is None, swarm.log(joiner)[-3000:]
             time.sleep(1.0)
+        dry = cli("join", "swarm-tiny", "--initial-peers", maddr, "--dry-run", "--out", str(tmp_path / "dry"),
+                  "--swarm.host_maddrs", "/ip4/127.0.0.1/tcp/0")  # reads the manifest, checks, trains nothing
         hold.unlink()
         swarm.wait([creator, joiner], timeout=90)
         for peer in (creator, joiner):
             assert peer.proc.returncode == 0, swarm.log(peer)[-3000:]
         summaries = [swarm.summary(p) for p in (creator, joiner)]
         configs = [json.loads((p.out_dir / "summary.json").read_text())["config"] for p in (creator, joiner)]
+        log = swarm.log(joiner)  # one line per change of state
 
     cfg = config_from_dict(configs[0])
+    assert dry.returncode == 0 and f"fingerprint: {run_identity(cfg).fingerprint} (the run's)" in dry.stdout, dry
+    for line in ["joined run 'swarm-tiny'", "group formed with 2 peers", "round 3 committed", "left run 'swarm-tiny'"]:
+        assert line in log, line
     # run, round (both held before round 1), live peers, parameters, fingerprint, manifest
-    assert row == ["swarm-tiny", "0", "2", _count(count_parameters(build_model(cfg.model, 256))), cfg.fingerprint(),
-                   "ok"]
+    assert row == ["swarm-tiny", "0", "2", _count(count_parameters(build_model(cfg.model, 256))),
+                   run_identity(cfg).fingerprint, "ok"]
     assert summaries[0]["rounds_completed"] == summaries[1]["rounds_completed"] == 3
     assert summaries[0]["final_global_sha256"] == summaries[1]["final_global_sha256"]
     assert summaries[1]["round_hashes"] == summaries[0]["round_hashes"]  # averaged together, round by round

@@ -252,3 +252,25 @@ def test_the_trainer_publishes_plain_numbers_for_watchers(tmp_path, tiny):
     assert (last_round, last.eval_round, last.eval_loss) == (3, 3, history.rounds[-1].eval_loss)
     assert (last.bytes_sent, last.bytes_received) == (100 * rounds, 70 * rounds)
     assert last.loss == history.rounds[-1].train_loss
+
+
+def test_the_history_outlives_the_monitor_and_a_damaged_one_is_set_aside(tmp_path, caplog):
+    from swarm.monitor.server import load_history
+
+    view = SwarmView("run", WINDOW)
+    view.update(reading(progress("a", 2, T0, eval_loss=2.5, eval_round=2),
+                        commits={"a": CommitRecord(name="a", round=2, sha256=SHA, time=T0)}), T0 + 1)
+    path = tmp_path / "history.json"
+    path.write_text(json.dumps(view.history()))
+    again = SwarmView("run", WINDOW)  # a restarted monitor
+    load_history(again, path)
+    assert again.evals == {2: {"a": 2.5}} and list(again.events) == list(view.events)
+    assert again.commit_round == 2 and again.peers == {}  # the peer table is read anew
+    again.update(reading(commits={"a": CommitRecord(name="a", round=2, sha256=SHA, time=T0)}), T0 + 2)
+    assert kinds(again) == kinds(view)  # the commit of round 2 was seen before the restart: no second event
+    other = SwarmView("another-run", WINDOW)
+    load_history(other, path)  # another run's history: set aside, never mixed in
+    assert other.evals == {} and (tmp_path / "history.json.bad").exists() and not path.exists()
+    path.write_text('{"version": 1, "run": "run", "evals": {"x": 1}}')
+    load_history(SwarmView("run", WINDOW), path)
+    assert "unreadable" in caplog.text

@@ -1,19 +1,23 @@
 """The two-level loop: sim equals a hand-written reference, solo learns, resume is exact."""
 
 import copy
+import csv
 import json
 
 import pytest
 import torch
 
 from peers.local_trainers import simulate
-from swarm.averaging import SoloAverager
-from swarm.checkpoint import Checkpointer, CorruptCheckpoint
+from swarm.averaging import Download, SoloAverager
+from swarm.checkpoint import CorruptCheckpoint
 from swarm.data import TrainBatches, load_corpus
+from swarm.errors import SwarmError
 from swarm.inner import evaluate, lr_lambda
 from swarm.model import build_model
-from swarm.trainer import Trainer
-from tests.conftest import DiscardsOnce, resumed_after, run_cli, tiny_config
+from swarm.report import METRICS_COLUMNS
+from swarm.state import TensorSpec
+from swarm.trainer import NON_FINITE_TRIES, Trainer
+from tests.conftest import DiscardsOnce, Interrupt, resumed_after, tiny_config
 
 
 def reference_diloco(cfg, replicas: int) -> list[torch.Tensor]:
@@ -25,7 +29,7 @@ def reference_diloco(cfg, replicas: int) -> list[torch.Tensor]:
                               weight_decay=inner.weight_decay) for m in models]
     total = cfg.diloco.rounds * cfg.diloco.inner_steps
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(inner, total)) for o in opts]
-    data = [TrainBatches(corpus, cfg.data, shard=i) for i in range(replicas)]
+    data = [TrainBatches(corpus, cfg.data, shard=i, identity=f"replica-{i}") for i in range(replicas)]
     global_params = [p.detach().clone().float() for p in models[0].parameters()]
     momentum = [torch.zeros_like(g) for g in global_params]
     delay, pending = cfg.diloco.delay, None  # pending: each replica's snapshot and the mean pseudo-gradient
@@ -99,10 +103,10 @@ def test_sim_equals_hand_written_reference(tmp_path, delay):
 
 
 @pytest.mark.timeout(180)
-def test_solo_cli_lowers_eval_loss_and_writes_summary(tmp_path):
-    result = run_cli("peer", "--config", "configs/tiny.yaml", "--solo", "--out", str(tmp_path),
-                     "--diloco.rounds", "2", "--diloco.inner_steps", "15", "--data.max_documents", "200",
-                     "--model.num_layers", "2", "--logging.progress_bar", "false", timeout=170)
+def test_solo_cli_lowers_eval_loss_and_writes_summary(tmp_path, swarm_cmd):
+    result = swarm_cmd("peer", "--config", "configs/tiny.yaml", "--solo", "--out", str(tmp_path),
+                       "--diloco.rounds", "2", "--diloco.inner_steps", "15", "--data.max_documents", "200",
+                       "--model.num_layers", "2", "--logging.progress_bar", "false", timeout=170)
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     (peer,) = summary["peers"]
@@ -110,6 +114,8 @@ def test_solo_cli_lowers_eval_loss_and_writes_summary(tmp_path):
     assert peer["eval_loss"][-1] < peer["initial_eval_loss"] - 1.0
     assert (tmp_path / "loss.png").stat().st_size > 1000
     assert "eval loss" in result.stderr
+    log = (tmp_path / "log.txt").read_text()  # the same lines as stderr, in the run folder
+    assert "round 2 committed" in log and "round 2 committed" in result.stderr
 
 
 @pytest.mark.timeout(120)
@@ -125,6 +131,38 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path):
     for (a, b), (c, d) in zip(ours, ref):
         assert abs(a - c) < 1e-6 and abs(b - d) < 1e-6
     assert second.diloco.global_sha256() == straight.diloco.global_sha256()
+
+
+def stop_at(round: int):
+    def stop(record) -> None:
+        if record.round == round:
+            raise Interrupt
+    return stop
+
+
+def test_every_closed_round_appends_a_row_of_metrics_csv_and_a_resumed_peer_goes_on_appending(tmp_path):
+    """And, with logging.tensorboard, the same rounds as TensorBoard scalars, read back from the event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = tiny_config(diloco={"rounds": 3, "inner_steps": 2}, logging={"tensorboard": True})
+    with pytest.raises(Interrupt):
+        Trainer(cfg, DiscardsOnce(1), "a", shard=0, out_dir=tmp_path, on_round=stop_at(2)).train()
+    Trainer(cfg, SoloAverager(), "a", shard=0, out_dir=tmp_path).train()
+    with open(tmp_path / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == METRICS_COLUMNS
+    # round 2's first exchange was discarded, the second committed; the peer stopped there and, resumed from its
+    # checkpoint, trained round 3
+    assert [(r["round"], r["committed"], r["inner_step"]) for r in rows] == [
+        ("1", "True", "2"), ("1", "False", "4"), ("2", "True", "6"), ("3", "True", "8")]
+    assert all(float(r["train_loss"]) > 0 and len(r["global_sha256"]) == 64 for r in rows)
+    assert rows[-1]["eval_loss"] and rows[1]["eval_loss"] == ""
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    train = events.Scalars("loss/train")
+    assert [e.step for e in train] == [2, 4, 6, 8]
+    assert [round(e.value, 4) for e in train] == [round(float(r["train_loss"]), 4) for r in rows]
+    assert [e.value for e in events.Scalars("swarm/committed")] == [1.0, 0.0, 1.0, 1.0]
 
 
 @pytest.mark.timeout(120)
@@ -178,22 +216,6 @@ def test_a_round_s_eval_loss_is_that_of_the_committed_global_parameters(tmp_path
         assert reported == pytest.approx(of_global, abs=1e-6)
 
 
-@pytest.mark.timeout(60)
-def test_corrupt_checkpoint_is_refused_and_never_overwrites(tmp_path):
-    ckpt = Checkpointer(tmp_path)
-    ckpt.save({"x": torch.ones(3), "y": torch.arange(4, dtype=torch.bfloat16)}, {"round": 1})
-    good = ckpt.path.read_bytes()
-    for damaged in (good[: len(good) // 2], good[:10] + bytes([good[10] ^ 1]) + good[11:],
-                    good.replace(b'"round": 1', b'"round": 7')):
-        ckpt.path.write_bytes(damaged)
-        with pytest.raises(CorruptCheckpoint, match="checkpoint.pt"):
-            ckpt.load_all()
-    ckpt.path.write_bytes(good)
-    tensors, meta = ckpt.load_all()
-    assert meta["round"] == 1 and torch.equal(tensors["x"], torch.ones(3))
-    assert torch.equal(tensors["y"], torch.arange(4, dtype=torch.bfloat16))
-
-
 def test_a_checkpoint_of_another_model_is_refused_before_anything_is_written(tmp_path):
     cfg = tiny_config(diloco={"rounds": 1, "inner_steps": 2})
     big = Trainer(tiny_config(model={"hidden_size": 48}, diloco={"rounds": 1, "inner_steps": 2}), SoloAverager(),
@@ -206,30 +228,69 @@ def test_a_checkpoint_of_another_model_is_refused_before_anything_is_written(tmp
     assert small.diloco.global_sha256() == before
 
 
-@pytest.mark.timeout(60)
-def test_a_checkpoint_renamed_into_place_while_one_is_read_is_not_mixed_in(tmp_path):
-    """The file checked is the file read: a newer checkpoint landing mid-load (a background writer
-    finishing) cannot put its tensors under the older one's meta."""
-    older, newer = Checkpointer(tmp_path / "a"), Checkpointer(tmp_path / "b")
-    older.save({"x": torch.ones(3)}, {"round": 1})
-    newer.save({"x": torch.full((3,), 2.0)}, {"round": 2})
-
-    def destinations(specs):
-        newer.path.replace(older.path)  # lands between the check and the read
-        return {"x": out}
-    out = torch.zeros(3)
-    meta = older.load(destinations)
-    assert meta["round"] == 1 and torch.equal(out, torch.ones(3))
-    tensors, meta = older.load_all()
-    assert meta["round"] == 2 and torch.equal(tensors["x"], torch.full((3,), 2.0))
-
-
 @pytest.mark.timeout(120)
-def test_cli_corrupt_checkpoint_exits_1_naming_it(tmp_path):
+def test_cli_corrupt_checkpoint_exits_1_naming_it(tmp_path, cli):
     (tmp_path / "checkpoint").mkdir()
     (tmp_path / "checkpoint" / "checkpoint.pt").write_bytes(b"SWRMCKP1" + b"\0" * 64)
-    result = run_cli("peer", "--config", "configs/tiny.yaml", "--solo", "--out", str(tmp_path),
+    result = cli("peer", "--config", "configs/tiny.yaml", "--solo", "--out", str(tmp_path),
                      "--data.max_documents", "60")
     assert result.returncode == 1
     assert "corrupt checkpoint" in result.stderr and "checkpoint.pt" in result.stderr
+    last = (tmp_path / "log.txt").read_text().strip().splitlines()[-1]  # the log alone says how it ended
+    assert "swarm: error:" in last and "corrupt checkpoint" in last and "Traceback" not in result.stderr
     assert (tmp_path / "checkpoint" / "checkpoint.pt").read_bytes() == b"SWRMCKP1" + b"\0" * 64
+
+
+class PoisonedDonor(SoloAverager):
+    """A swarm whose only state to take is poisoned: its global parameters are NaN."""
+
+    networked = True
+
+    def fetch_state(self, intake, outer_step, sha256, donors=None, must=False):
+        if not must:
+            return None
+        for name, target in intake.destinations(self.specs).items():
+            target.copy_(self.tensors[name])
+        intake.accept(dict(self.meta), outer_step)
+        return Download(outer_step, "poisoner", 0, 0.0)
+
+
+def test_a_model_that_goes_non_finite_after_every_state_taken_stops_naming_the_round_and_donor(tmp_path):
+    """The swarm serves a state that turns the local model NaN at once: the peer takes it a bounded number of times
+    (`NON_FINITE_TRIES`), then stops with a SwarmError naming the round and the donor, instead of looping."""
+    cfg = tiny_config(diloco={"rounds": 3, "inner_steps": 2}, faults={"nan_round": 1}, checkpoint={"every": 0})
+    poisoned = PoisonedDonor()
+    trainer = Trainer(cfg, poisoned, "a", shard=0, out_dir=tmp_path)
+    poisoned.tensors = {k: torch.full_like(t, float("nan")) if k.startswith("global.") else t.clone()
+                        for k, t in trainer.snapshot().tensors.items()}
+    poisoned.specs = [TensorSpec.of(k, t) for k, t in poisoned.tensors.items()]
+    poisoned.meta = {"round": 0, "step": 0, "inner": 0}
+    with pytest.raises(SwarmError, match=rf"round 1: the local model went non-finite {NON_FINITE_TRIES + 1} times "
+                                         r"in a row, the last after taking the state of poisoner"):
+        trainer.train()
+    events = [e["event"] for e in trainer.history.events]
+    assert events.count("non_finite_model") == NON_FINITE_TRIES + 1
+    assert events.count("state_downloaded") == NON_FINITE_TRIES
+    assert not trainer.history.rounds
+
+
+@pytest.mark.timeout(120)
+def test_wandb_offline_keeps_every_round_and_a_resumed_peer_goes_on_in_the_same_run(tmp_path):
+    """The sinks alone (swarm/metrics.py), without training: two starts of one peer folder, a round each."""
+    from swarm.history import RoundRecord
+    from swarm.metrics import Metrics
+
+    cfg = tiny_config(logging={"wandb": "swarm-test", "wandb_mode": "offline"})
+    ids = []
+    for round, step in [(1, 4), (2, 8)]:  # started, stopped after round 1, started again
+        metrics = Metrics(cfg, tmp_path, "a")
+        metrics.round(RoundRecord(round=round, committed=True, train_loss=2.5, eval_loss=None, global_sha256="f" * 64,
+                                  group_size=2, samples=8, compute_s=1.0, comm_s=0.5, bytes_sent=10,
+                                  bytes_received=10, tokens_per_s=100.0, time=1000.0 + round), step)
+        metrics.close()
+        ids.append((tmp_path / "wandb-id.txt").read_text().strip())
+    assert ids[0] == ids[1]
+    logs = sorted((tmp_path / "wandb").glob(f"offline-run-*-{ids[0]}/run-{ids[0]}.wandb"))
+    assert logs  # one file per start (two starts in one second share a folder), one W&B run: `wandb sync` merges them
+    assert all(b"loss/train" in log.read_bytes() and b"inner_step" in log.read_bytes() for log in logs)
+    assert len((tmp_path / "metrics.csv").read_text().splitlines()) == 3  # the header and a row per round

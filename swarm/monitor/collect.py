@@ -14,11 +14,16 @@ and a list of events:
 
 Every record comes from the network, so everything kept is bounded: MAX_PEERS rows (the stalest are
 dropped first), MAX_ROUNDS rounds of eval loss with at most MAX_EVAL_PEERS peers each, MAX_EVENTS events.
+
+`history()` is what outlives the monitor (the eval loss per round, the events, the highest commit seen) and
+`restore()` takes it back, bounded the same way: `swarm monitor` keeps it in a file across restarts, so its
+chart covers the run, not only the time since it started. The peer table is not kept: it is read anew.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Optional
@@ -37,6 +42,7 @@ MAX_EVAL_PEERS = 64  # peers averaged into one round's eval loss
 MAX_EVENTS = 500  # events kept (the latest)
 MAX_REFUSED = 16  # refused records reported per reading
 MAX_TEXT = 64  # characters of a name or subkey shown
+HISTORY_VERSION = 1  # the layout of `SwarmView.history()`
 
 
 def short(text: object) -> str:
@@ -118,6 +124,34 @@ class SwarmView:
         self.commit_round = -1
         self.reads = self.failed_reads = 0
         self.last_read: Optional[float] = None
+
+    def history(self) -> dict:
+        """What a restarted monitor should still show: JSON-able, bounded."""
+        with self.lock:
+            return {"version": HISTORY_VERSION, "run": self.run_id, "commit_round": self.commit_round,
+                    "evals": {str(r): dict(losses) for r, losses in self.evals.items()},
+                    "events": list(self.events), "event_counts": dict(self.event_counts)}
+
+    def restore(self, saved: dict) -> None:
+        """Take back a `history()` of this run; ValueError naming what does not fit (a damaged or foreign file)."""
+        if saved.get("version") != HISTORY_VERSION or saved.get("run") != self.run_id:
+            raise ValueError(f"it is not a history of run {self.run_id!r} (version {HISTORY_VERSION})")
+        try:
+            evals = {int(r): {short(p): float(v) for p, v in losses.items() if math.isfinite(float(v))}
+                     for r, losses in saved["evals"].items()}
+            events = [{"time": float(e["time"]), "kind": short(e["kind"]), "peer": short(e["peer"]),
+                       "detail": str(e["detail"])[: 4 * MAX_TEXT]} for e in saved["events"][-MAX_EVENTS:]]
+            counts = {short(k): int(v) for k, v in list(saved["event_counts"].items())[:MAX_TEXT]}
+            commit_round = int(saved["commit_round"])
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"a field does not fit ({type(e).__name__}: {e})") from None
+        with self.lock:
+            for round, losses in sorted(evals.items())[-MAX_ROUNDS:]:
+                for peer_id, loss in list(losses.items())[:MAX_EVAL_PEERS]:
+                    self._eval(peer_id, round, loss)
+            self.events.extend(events)
+            self.event_counts.update(counts)
+            self.commit_round = max(self.commit_round, commit_round)
 
     def add_event(self, now: float, kind: str, peer: str = "", detail: str = "") -> None:
         with self.lock:

@@ -12,18 +12,25 @@ a `SwarmView`, one serves
 Every wait ends: a DHT read is given up after `live_window` (a reading older than that cannot tell a live
 peer from a gone one; counted as timed out and the view kept as it was), an HTTP client that sends nothing
 for HTTP_TIMEOUT is dropped.
+
+With a history file (`swarm monitor --history FILE`, default runs/monitor-<run>/history.json) the view's
+history (eval loss per round, events) is written every SAVE_EVERY_S and at close, and read back at start.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
+import json
 import logging
+import os
 import signal
 import socket
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Optional
 
 import hivemind
@@ -41,6 +48,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_PORT = 8470
 HTTP_TIMEOUT = 10.0  # seconds a client may stay silent on a connection (each holds one server thread)
 MIN_POLL_S = 1.0  # records change once per progress_interval; reading faster only loads the DHT
+SAVE_EVERY_S = 10.0  # seconds between two writes of the history file (and one at close)
 
 
 class PortInUse(SwarmError):
@@ -78,11 +86,15 @@ def _handler(monitor: Monitor) -> type[BaseHTTPRequestHandler]:
 class Monitor:
     """A running monitor; `close()` stops its threads and its DHT."""
 
-    def __init__(self, cfg: SwarmConfig, server: ThreadingHTTPServer, dht: hivemind.DHT, host: str):
-        self.cfg, self.server, self.dht = cfg, server, dht
+    def __init__(self, cfg: SwarmConfig, server: ThreadingHTTPServer, dht: hivemind.DHT, host: str,
+                 history: Optional[Path] = None):
+        self.cfg, self.server, self.dht, self.history = cfg, server, dht, history
         self.port = server.server_address[1]
         self.url = f"http://{host}:{self.port}/"
         self.view = SwarmView(cfg.run_id, live_window(cfg))
+        if history is not None:
+            load_history(self.view, history)
+        self.saved = time.monotonic()
         self.error: Optional[BaseException] = None  # what stopped the polling thread, for the caller to raise
         self._stop = threading.Event()
         server.RequestHandlerClass = _handler(self)
@@ -93,20 +105,24 @@ class Monitor:
         self._polling.start()
 
     @classmethod
-    def start(cls, cfg: SwarmConfig, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> Monitor:
+    def start(cls, cfg: SwarmConfig, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
+              history: Optional[Path] = None) -> Monitor:
+        """`history`: the file the monitor keeps what it saw in across restarts (None: memory only)."""
         from swarm.net.dht import check_addresses, start_dht
 
         cfg = dataclasses.replace(cfg, client_mode=True)
         check_addresses(cfg)
         if not 0 <= port <= 65535:
             raise UsageError(f"monitor port {port}: not a TCP port (0-65535)")
+        if history is not None:
+            _check_writable(history)
         server = _bind(host, port)
         try:
             dht = start_dht(cfg)
         except BaseException:
             server.server_close()
             raise
-        return cls(cfg, server, dht, host)
+        return cls(cfg, server, dht, host, history)
 
     def _poll(self) -> None:
         timeout, interval = live_window(self.cfg), max(MIN_POLL_S, self.cfg.progress_interval)
@@ -124,7 +140,21 @@ class Monitor:
                 return
             else:
                 self.view.update(reading, get_dht_time())
+            if self.history is not None and time.monotonic() - self.saved >= SAVE_EVERY_S:
+                self.save()
             self._stop.wait(interval)
+
+    def save(self) -> None:
+        """Write the history file (atomically: a monitor killed mid-write leaves the previous one)."""
+        if self.history is None:
+            return
+        self.saved = time.monotonic()
+        tmp = self.history.with_name(self.history.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps(self.view.history()))
+            os.replace(tmp, self.history)
+        except OSError as e:  # the disk filled up meanwhile: the page goes on, from memory
+            logger.warning(f"cannot write the monitor's history {self.history}: {e.strerror or e}")
 
     def close(self) -> None:
         self._stop.set()
@@ -133,6 +163,31 @@ class Monitor:
         self._serving.join(HTTP_TIMEOUT)
         self._polling.join(live_window(self.cfg) + MIN_POLL_S)
         self.dht.shutdown()
+        self.save()
+
+
+def load_history(view: SwarmView, path: Path) -> None:
+    """Take back what a previous monitor of the run saw; a file that does not fit is set aside (renamed
+    `.bad`, with a warning) and the monitor starts from nothing."""
+    if not path.exists():
+        return
+    try:
+        view.restore(json.loads(path.read_text()))
+        logger.info(f"monitor history from {path}: {len(view.evals)} rounds of eval loss, {len(view.events)} events")
+    except (OSError, ValueError) as e:
+        aside = path.with_name(path.name + ".bad")
+        os.replace(path, aside)
+        logger.warning(f"the monitor's history {path} is unreadable ({e}); set aside as {aside}, starting afresh")
+
+
+def _check_writable(path: Path) -> None:
+    probe = path.with_name(path.name + ".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"--history {path}: cannot write it ({e.strerror or e})") from None
 
 
 def _bind(host: str, port: int) -> ThreadingHTTPServer:
@@ -150,9 +205,15 @@ def _bind(host: str, port: int) -> ThreadingHTTPServer:
     return server
 
 
-def run_monitor(cfg: SwarmConfig, host: str, port: int) -> int:
+def check_port(host: str, port: int) -> None:
+    """Fail now, with `_bind`'s one-line errors, if the monitor could not listen on host:port (e.g. before a
+    launcher starts any process that a taken port would leave without a monitor)."""
+    _bind(host, port).server_close()
+
+
+def run_monitor(cfg: SwarmConfig, host: str, port: int, history: Optional[Path] = None) -> int:
     """`swarm monitor`: print the URL, serve until SIGINT/SIGTERM; SwarmError if the DHT client fails."""
-    monitor = Monitor.start(cfg, host, port)
+    monitor = Monitor.start(cfg, host, port, history)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

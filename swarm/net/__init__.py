@@ -1,0 +1,38 @@
+"""The swarm's network side: what `SwarmAverager` (peer.py) does for the trainer, and what each module is.
+
+`peer.py` is the only module the trainer's side uses (through the `Averager` interface, swarm/averaging.py);
+everything below serves it. By concern:
+
+Transport
+- `dht.py`: starting the hivemind DHT (validated addresses, a bounded bootstrap).
+- `wire.py`: framed messages over raw libp2p streams; bounded memory, waits that end.
+- `codec.py`: how a run of the pseudo-gradient travels as bytes (`swarm.compression`: none, fp16, int8, int4).
+- `budget.py`: how long a transfer may take, from its bytes and a floor on bandwidth; the chunk size.
+- `limits.py`: caps on the incoming streams one peer holds (per remote peer, in total); the open-file limit.
+
+Identity and trust
+- `identity.py`: a peer's RSA key, both its libp2p identity and the signer of its DHT records.
+- `work.py`: proof of work on a key (`swarm.identity_work`): what makes an identity, and so a vote, cost something.
+- `schema.py`: every DHT key and record `swarm` stores, and reading them back as their signers wrote them.
+- `access.py`: who may take part (the run's allowlist), offenses and bans.
+- `attacks.py`, `hostile.py`: the hostile-peer suite (named attacks; the `Hooks` the protocol calls);
+  `sybil.py`: records in the names of many minted identities (the `sybil` attack, and tests).
+- `manifest.py`: a run's manifest and the run index (`swarm join`, `swarm runs`).
+
+Where a peer stands
+- `records.py`: this peer's progress and commit records (a heartbeat keeps them fresh) and the others'.
+- `policy.py`: one pure function over the records: alive, ahead, behind, alone, in the majority.
+
+Who it averages with
+- `matchmaking.py`: forming a group for an outer step (hivemind's averager, used only to agree on members).
+- `grouping.py`: who in that group this peer averages with (offenders out, the majority's base, clients).
+
+The all-reduce
+- `allreduce/`: the group's streamed butterfly all-reduce, bit-identical on every member, with its robust
+  reducers, audits and repairs (its `__init__` lists the modules and exports what the rest uses).
+- `outcome.py`: one call of `SwarmAverager.average`, and the outcomes it ends in.
+
+State transfer
+- `statesync.py`: a newcomer (or a peer behind) downloads a donor's state, tensor by tensor, checked against
+  the hash the swarm committed.
+"""

@@ -33,6 +33,12 @@ class Access:
         self.events: list[dict] = []  # for the peer's summary: who was refused, and for what
         self.dropped_events = 0
         self._noted: set[tuple[str, str]] = set()
+        self.proven: Optional[frozenset[str]] = None  # swarm.identity_work: peers with proven ids (None: off)
+
+    @property
+    def tracked(self) -> int:
+        """How many peers' offenses are counted now (at most MAX_TRACKED: the oldest are forgotten)."""
+        return len(self._offenses)
 
     def note(self, event: str, peer_id: object, what: str) -> None:
         """Record an event about a peer for the summary; each (event, peer) once, at most MAX_EVENTS."""
@@ -45,6 +51,19 @@ class Access:
                 return
             self._noted.add(key)
             self.events.append({"event": event, "time": time.time(), "peer_id": str(peer_id), "what": what})
+
+    def prove(self, peers: set[str]) -> None:
+        """The peers whose proof of work the last read of the records showed (swarm.identity_work)."""
+        self.proven = frozenset(peers)
+
+    def seats(self, peer_id: object) -> bool:
+        """Whether `peer_id` may hold a seat in our groups: admitted, and with swarm.identity_work proven."""
+        if not self.admits(peer_id):
+            return False
+        if self.proven is not None and str(peer_id) not in self.proven:
+            self.note("unproven", peer_id, "its peer id shows no proof of work (swarm.identity_work)")
+            return False
+        return True
 
     def admits(self, peer_id: object) -> bool:
         peer = str(peer_id)

@@ -10,9 +10,23 @@ ATTACKS = {
     "weight": "claims 1e18 samples (the most a strict int carries) in matchmaking and as its weight "
               "(swarm.max_weight_share)",
     "bad-part": "returns a wrong average for the part it owns (swarm.verify_parts)",
+    "frame": "leads matchmaking and hands its followers forged metas of their groupmates, malformed (signedmeta: "
+             "every member signs its own meta; the followers charge the leader, never each other)",
+    "lying-owner": "sends one member other bytes of its part's average than the others (allreduce/agree.py: "
+                   "members compare their owners' signed digests before committing)",
+    "stall-round": "signs matchmaking metadata of another round (matchmaking.misfit names the member that signed it)",
+    "stall-numel": "signs matchmaking metadata with another vector size (matchmaking.misfit names it)",
+    "stall-token": "puts another token in the matchmaking barrier than its meta says (the barrier decides only "
+                   "a round's first attempt; then the all-reduce's HELLOs do)",
+    "stall-silent": "pushes one chunk of each part, then holds its streams open, silent (each owner names it: "
+                    "SEEN, left out for the round)",
     "garbage-meta": "sends matchmaking metadata that does not fit (matchmaking.GroupMeta, then a ban)",
     "poison-state": "serves a state with the right shapes and wrong values under the committed hash (the "
                     "newcomer hashes what it downloads)",
     "flood": "opens all-reduce streams for groups it is not in, as many as it can (allreduce: per-peer cap "
              "on pending groups)",
+    "trickle": "holds streams open on every handler of every peer, a byte of a maximal HELLO per half stall "
+               "(limits: streams per peer; wire: the first frame's deadline, then a ban)",
+    "sybil": "mints identities that sign a forged fingerprint and manifest (swarm.identity_work: a proof of "
+             "work per identity; without it a newcomer counts them as peers)",
 }

@@ -22,7 +22,11 @@ from __future__ import annotations
 import math
 
 from swarm.config import SwarmConfig
-from swarm.net.layout import CHUNK_ELEMENTS
+
+CHUNK_ELEMENTS = 2**18
+"""At most 1 MiB of fp32 per all-reduce chunk (allreduce/layout.py): small enough that a few in flight per
+stream stay cheap, large enough that the per-frame cost of Python and p2pd is amortized (measured:
+bench/allreduce.py)."""
 
 ROUND_ATTEMPTS = 3
 """A round's deadline fits this many matchmakings and full all-reduces: the first try and two retries with the

@@ -4,7 +4,7 @@
 the receiver expects (it knows it from the wire layout, never from the sender), and a quantized payload's
 block scales must be finite and >= 0, before a single element is read. So a hostile or confused peer cannot
 make us allocate more than the chunk we asked for, nor hide a NaN. NaN/Inf in decoded values are the
-caller's job (`allreduce.py` checks every decoded chunk and every result). Every codec is deterministic: the
+caller's job (`allreduce/allreduce.py` checks every decoded chunk and every result). Every codec is deterministic: the
 same input gives the same bytes, and the same bytes decode to the same floats on every member (the
 all-reduce relies on this for bit-identical results).
 
@@ -30,7 +30,7 @@ quantization never hides a NaN. hivemind's own 8-bit quantizers are deliberately
 8-bit lose 30-70 % on heavy-tailed vectors and break under numpy >= 2.4 (see notes/hivemind.md).
 
 Small tensors: `FP32_BELOW`. A lossy codec quantizes only the tensors with at least that many elements;
-the wire layout (`layout.py`) sends the smaller ones (norms, biases) in fp32, after the quantized ones.
+the wire layout (`allreduce/layout.py`) sends the smaller ones (norms, biases) in fp32, after the quantized ones.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ from hivemind.utils.timed_storage import get_dht_time
 from swarm.config import SwarmConfig
 from swarm.errors import SwarmError, UsageError
 from swarm.net import schema
-from swarm.net.identity import Identity, load_identity
+from swarm.net.identity import Identity, load_identity, with_work
+from swarm.runid import RunIdentity
 
 logger = logging.getLogger(__name__)
 
@@ -137,14 +138,18 @@ def allowed_peers(cfg: SwarmConfig) -> Optional[frozenset[str]]:
     return frozenset(cfg.allowed_peers) if cfg.auth == "allowlist" else None
 
 
-def start_dht(cfg: SwarmConfig, identity: Optional[Identity] = None, *,
-              fingerprint: Optional[str] = None) -> hivemind.DHT:
-    """Start a DHT peer for `cfg` as `identity` (default: `swarm.identity`); with `fingerprint`, also sign
-    (or check) the run's fingerprint."""
+def start_dht(cfg: SwarmConfig, identity: Optional[Identity] = None, *, fingerprint: Optional[str] = None,
+              run: Optional[RunIdentity] = None) -> hivemind.DHT:
+    """Start a DHT peer for `cfg` as `identity` (default: `swarm.identity`); with `run` (or only its
+    `fingerprint`), also sign (or check) the run's fingerprint: a refusal names the first key that differs."""
+    from swarm.logs import route_hivemind
+
+    route_hivemind()
+    fingerprint = run.fingerprint if run is not None else fingerprint
     initial = _parse_maddrs("initial_peers", cfg.initial_peers, need_peer_id=True)
     host = _parse_maddrs("host_maddrs", cfg.host_maddrs)
     announce = _parse_maddrs("announce_maddrs", cfg.announce_maddrs)
-    identity = identity or load_identity(cfg.identity)
+    identity = with_work(identity or load_identity(cfg.identity), cfg.identity_work)
     allowed = allowed_peers(cfg)
     if allowed is not None and identity.peer_id.to_base58() not in allowed:
         raise UsageError(f"swarm.allowed_peers: this peer's own id {identity.peer_id} is not in the allowlist "
@@ -153,6 +158,9 @@ def start_dht(cfg: SwarmConfig, identity: Optional[Identity] = None, *,
         dht = hivemind.DHT(
             initial_peers=initial, start=False, host_maddrs=host, announce_maddrs=announce or None,
             identity_path=key_file, client_mode=cfg.client_mode,
+            # hivemind checks that a key file is not in use by dialing it from a second p2pd (~0.3 s); a fresh
+            # key (a temporary file here) cannot be, and hivemind skips the check for keys it generates itself
+            check_if_identity_free=identity.path is not None,
             record_validators=schema.validators(cfg.run_id, identity, allowed),
             startup_timeout=cfg.bootstrap_timeout,  # p2pd start-up (its default, 15 s, is the usual field failure)
             bootstrap_timeout=cfg.bootstrap_timeout, ensure_bootstrap_success=bool(initial),
@@ -170,9 +178,10 @@ def start_dht(cfg: SwarmConfig, identity: Optional[Identity] = None, *,
         except Exception as e:  # P2PDaemonError, RuntimeError from DHTNode.create: explained, child reaped
             _stop(dht)
             raise _explain(e, cfg) from e
+    dht.identity = identity  # the key it runs under: matchmaking signs this peer's metas with it (signedmeta.py)
     if fingerprint is not None:
         try:
-            check_fingerprint(dht, cfg, identity, fingerprint)
+            check_fingerprint(dht, cfg, identity, fingerprint, run)
         except BaseException:
             dht.shutdown()
             raise
@@ -188,22 +197,49 @@ def run_fingerprint(records: dict[str, schema.RunRecord]) -> Optional[str]:
     return min(votes, key=lambda fp: (-len(votes[fp]), min(votes[fp])), default=None)
 
 
-def check_fingerprint(dht: hivemind.DHT, cfg: SwarmConfig, identity: Identity, fingerprint: str) -> None:
-    """Refuse to join a run whose peers signed another fingerprint; otherwise sign ours.
+def check_fingerprint(dht: hivemind.DHT, cfg: SwarmConfig, identity: Identity, fingerprint: str,
+                      run: Optional[RunIdentity] = None) -> None:
+    """Refuse to join a run whose peers signed another fingerprint (naming, with `run`, the first key that
+    differs from the run's manifest); otherwise sign ours.
 
     Two peers racing with different fingerprints both sign; the re-read after storing makes the one
-    outvoted (or, on a tie, the later) refuse.
+    outvoted (or, on a tie, the later) refuse. With `swarm.identity_work`, only proven identities vote. Each
+    DHT call waits at most `bootstrap_timeout` (this is part of the peer's start-up).
     """
     key = schema.run_key(cfg.run_id)
     for attempt in range(2):
-        stored = run_fingerprint(schema.read_owned(dht.get(key, latest=True), schema.RunRecord, get_dht_time()))
+        try:
+            found = dht.get(key, latest=True, return_future=True).result(timeout=cfg.bootstrap_timeout)
+        except concurrent.futures.TimeoutError:
+            raise SwarmError(f"the run's fingerprint records did not answer within {cfg.bootstrap_timeout:g} s "
+                             f"(swarm.bootstrap_timeout)") from None
+        stored = run_fingerprint(schema.read_owned(found, schema.RunRecord, get_dht_time(), cfg.identity_work))
         if stored is not None and stored != fingerprint:
-            raise SwarmError(f"refusing to join run {cfg.run_id!r}: its model/run settings differ "
-                             f"(fingerprint {stored} != {fingerprint})")
+            raise SwarmError(f"refusing to join run {cfg.run_id!r}: {_difference(dht, cfg, stored, run)} "
+                             f"(fingerprint {fingerprint}, the run's peers signed {stored})")
         if attempt == 0:
             now = get_dht_time()
-            dht.store(key, schema.RunRecord(fingerprint=fingerprint, time=now).dict(), subkey=identity.owner,
-                      expiration_time=now + schema.RUN_RECORD_EXPIRATION)
+            record = schema.RunRecord(fingerprint=fingerprint, time=now, work=identity.work).dict()
+            try:
+                dht.store(key, record, subkey=identity.owner, expiration_time=now + schema.RUN_RECORD_EXPIRATION,
+                          return_future=True).result(timeout=cfg.bootstrap_timeout)
+            except concurrent.futures.TimeoutError:
+                logger.warning(f"our fingerprint record was not confirmed within {cfg.bootstrap_timeout:g} s")
+
+
+def _difference(dht: hivemind.DHT, cfg: SwarmConfig, stored: str, run: Optional[RunIdentity]) -> str:
+    """What differs between this peer's run and the run's (from its manifest), or why it cannot be told."""
+    from swarm.net.manifest import ManifestRefused, choose_manifest, read_manifests
+
+    unknown = "its run settings differ"
+    if run is None:
+        return unknown
+    try:
+        _, manifests = read_manifests(dht, cfg.run_id, cfg.request_timeout, cfg.identity_work)
+        theirs = choose_manifest(cfg.run_id, manifests, stored).run
+    except (concurrent.futures.TimeoutError, ManifestRefused) as e:
+        return f"{unknown} (the run's manifest, to compare keys with, is unreadable: {e or 'no answer'})"
+    return run.first_difference(theirs) or unknown
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:
@@ -218,11 +254,18 @@ def visible_maddrs(dht: hivemind.DHT) -> list[str]:
 
 def run_bootstrap(cfg: SwarmConfig) -> None:
     """`swarm bootstrap`: a DHT-only peer that prints its multiaddrs and serves until SIGINT/SIGTERM."""
+    from swarm.net.addresses import tcp_port, unreachable_warning
+
     dht = start_dht(cfg)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for maddr in visible_maddrs(dht):
+        maddrs = visible_maddrs(dht)
+        logger.info(f"bootstrap listening on TCP port {tcp_port(maddrs)}; peers join with --initial-peers "
+                    f"{' '.join(maddrs)}")
+        if warning := unreachable_warning(maddrs, client_mode=False, can_be_client=False):
+            logger.warning(warning)
+        for maddr in maddrs:
             print(maddr)
         sys.stdout.flush()
         while not stop.wait(1.0):

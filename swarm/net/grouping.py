@@ -4,11 +4,12 @@
 - `clients`, `dialable`: the members that cannot be dialed (`swarm.client_mode`) own no part, and are never
   dialed (not even to say that we leave a group).
 - `agreed_chunk`: the chunk size all members cut parts with, whatever their own time-outs.
-- `Offenses`: groupmates caught sending what no honest peer sends (`AllReduceFailed.culprit`: malformed or
-  non-finite data, a weight other than announced, a wrong average found by an audit). An offender is left
-  out of this peer's later groups in the same round; one caught `access.BAN_AFTER` times is banned for the
-  run (access.py keeps the counts, the bans and the events), and so is every peer `Access` refuses (a
-  stranger to a private swarm's allowlist).
+- `Offenses`: groupmates that made an attempt fail (`AllReduceFailed.culprit`). One is left out of this
+  peer's later groups in the same round; one caught sending what no honest peer sends (`blame` PROOF:
+  malformed or non-finite data, a weight other than announced, a wrong average found by an audit) commits
+  an offense, and one caught `access.BAN_AFTER` times is banned for the run (access.py keeps the counts, the
+  bans and the events; a groupmate's word, TOLD, never bans: a liar could name anyone), and so is every peer
+  `Access` refuses (a stranger to a private swarm's allowlist).
   Matchmaking cannot refuse a peer (hivemind forms the group), so `exclude` drops the offenders from a
   formed group and gives the rest a new group id (the old id plus who was dropped): groupmates that caught
   the same offender (each owner sees a bad contributor itself) run the new group together at once; one
@@ -23,8 +24,8 @@ import logging
 from hivemind.p2p import PeerID
 
 from swarm.net.access import Access
-from swarm.net.groupstate import AllReduceFailed
-from swarm.net.layout import CHUNK_ELEMENTS
+from swarm.net.allreduce import AllReduceFailed
+from swarm.net.budget import CHUNK_ELEMENTS
 from swarm.net.matchmaking import Group, NoGroup
 
 logger = logging.getLogger(__name__)
@@ -85,14 +86,19 @@ class Offenses:
         self.access = access
         self.round, self.this_round = -1, set()
 
-    def record(self, peer: PeerID, round: int, reason: str) -> None:
+    def record(self, peer: PeerID | str, round: int, reason: str, proven: bool = True) -> None:
+        """`peer` made an attempt of `round` fail: out of our groups for the rest of the round; `proven` (we saw
+        it send what no honest peer sends) also counts an offense. Unproven (a groupmate's word): only noted."""
         if round != self.round:
             self.round, self.this_round = round, set()
-        self.this_round.add(peer)
-        self.access.offense(peer, reason)
+        self.this_round.add(str(peer))
+        if proven:
+            self.access.offense(peer, reason)
+        else:
+            self.access.note("left out", peer, f"round {round + 1}: {reason}")
 
     def excluded(self, peer: PeerID, round: int) -> bool:
-        return not self.access.admits(peer) or (round == self.round and peer in self.this_round)
+        return not self.access.seats(peer) or (round == self.round and str(peer) in self.this_round)
 
     def exclude(self, group: Group, round: int) -> Group:
         """`group` without the offenders, under a new id if any was dropped; NoGroup if only we remain."""

@@ -11,25 +11,48 @@ never as `if hostile:` branches inside the protocol. What catches each attack is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-from typing import Callable
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 from hivemind.p2p import P2P, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.serializer import MSGPackSerializer
 
+from swarm.net.allreduce.hooks import AllReduceHooks
 from swarm.net.attacks import ATTACKS
-from swarm.net.wire import Channel, Kind
+from swarm.net.wire import CONTROL_BYTES, HEADER, Channel, Kind, WireError
 
 logger = logging.getLogger(__name__)
 
 FORGED_ROUND = 2**40
 CLAIMED_SAMPLES = 10**18
 FLOOD_STREAMS = 32
+TRICKLE_STREAMS = 32  # per handler of every other peer, held open a byte per half stall
+SYBILS, SYBIL_BUDGET_S = 16, 60.0  # identities the sybil mints, and the seconds it spends minting them
 
 
-class Hooks:
-    """A peer's own behaviour at the protocol's hook points; this base class changes nothing."""
+@dataclass
+class Reach:
+    """What a hostile peer's background attacks (`Hooks.run`) can reach: its P2P, the swarm's stream names
+    (`handler("ar")`, `handler("state")`), the stall time-out, the other peers (`others()`, blocking), and the
+    DHT with the run's settings."""
+
+    p2p: P2P
+    handler: Callable[[str], str]
+    stall: float
+    others: Callable[[], list[str]]
+    dht: Any = None
+    cfg: Any = None  # the SwarmConfig
+
+
+class Hooks(AllReduceHooks):
+    """A peer's own behaviour at the protocol's hook points (the all-reduce's among them); this base class
+    changes nothing."""
 
     def progress(self, record: dict) -> dict:
         return record
@@ -37,24 +60,25 @@ class Hooks:
     def meta(self, meta: dict) -> dict:
         return meta
 
+    def lead(self, message):
+        """As a matchmaking leader, the group we hand every follower (hivemind's BEGIN_ALLREDUCE
+        `MessageFromLeader`: the members and their metas), before it is sent; runs in the averager's process."""
+        return message
+
     def weight(self, weight: float) -> float:
         return weight
 
-    def contribution(self, values: torch.Tensor) -> torch.Tensor:
-        """Our elements of a chunk, after our own finite check, before encoding."""
-        return values
-
-    def average(self, values: torch.Tensor, chunk: int) -> torch.Tensor:
-        """Chunk `chunk` (its index in our part) of the average of the part we own, before it is encoded and
-        sent."""
-        return values
+    def manifest(self, manifest: dict) -> dict:
+        """The manifest of the state we serve to a newcomer (round, sha256, meta, and per tensor
+        [name, dtype, shape, bytes]), before it is sent."""
+        return manifest
 
     def state(self, name: str, data: bytes) -> bytes:
         """Bytes of a state tensor we serve to a newcomer."""
         return data
 
-    async def run(self, p2p: P2P, handler: str, others: Callable[[], list[str]]) -> None:
-        """Runs on the network loop for the peer's lifetime; `others()` (blocking) lists the other peers."""
+    async def run(self, reach: Reach) -> None:
+        """Runs on the network loop for the peer's lifetime."""
 
 
 class Attacker(Hooks):
@@ -76,10 +100,29 @@ class Attacker(Hooks):
     def meta(self, meta: dict) -> dict:
         if "garbage-meta" in self.kinds:
             return dict(meta, samples="lots", base=["not", "a", "hash"])
+        if "stall-round" in self.kinds:
+            return dict(meta, round=FORGED_ROUND)
+        if "stall-numel" in self.kinds:
+            return dict(meta, numel=meta.get("numel", 0) + 1)
+        if "stall-token" in self.kinds:  # the barrier's tensor holds another token than this
+            return dict(meta, token=1.0)
         return dict(meta, samples=CLAIMED_SAMPLES) if "weight" in self.kinds else meta
 
     def weight(self, weight: float) -> float:
         return float(CLAIMED_SAMPLES) if "weight" in self.kinds else weight
+
+    def lead(self, message):
+        """frame: every member's meta, as we hand it on, says `samples: "lots"` (malformed): followers that
+        trusted the leader's word would charge each other offenses, and ban each other after two."""
+        if "frame" not in self.kinds:
+            return message
+        forged = []
+        for entry in message.gathered:
+            bandwidth, mode, user = MSGPackSerializer.loads(entry)
+            meta = dict(MSGPackSerializer.loads(user), samples="lots")
+            forged.append(MSGPackSerializer.dumps([bandwidth, mode, MSGPackSerializer.dumps(meta)]))
+        return averaging_pb2.MessageFromLeader(code=message.code, group_id=message.group_id,
+                                               ordered_peer_ids=message.ordered_peer_ids, gathered=forged)
 
     def contribution(self, values: torch.Tensor) -> torch.Tensor:
         if "nan" in self.kinds:
@@ -91,16 +134,34 @@ class Attacker(Hooks):
     def average(self, values: torch.Tensor, chunk: int) -> torch.Tensor:
         return values + 1.0 if "bad-part" in self.kinds else values
 
+    async def push(self, group, j: int, channel: Channel, push) -> None:
+        """stall-silent: push the first chunk of each part, then hold the stream open and send nothing more."""
+        if "stall-silent" not in self.kinds:
+            return await push(None)
+        await push(1)
+        await asyncio.Event().wait()  # until the group is over here (cancelled)
+
+    def result(self, group, i: int, k: int, payload: bytes) -> bytes:
+        """lying-owner: the first member after us in the group gets other bytes of our part's average (the lowest
+        bit of its first byte flipped: still well-formed, still finite) than the others; its digest, signed, is
+        of what it got."""
+        if "lying-owner" not in self.kinds or i != (group.me + 1) % len(group.members) or not payload:
+            return payload
+        return bytes([payload[0] ^ 1]) + bytes(payload[1:])
+
     def state(self, name: str, data: bytes) -> bytes:
         if "poison-state" not in self.kinds or not name.startswith("global."):
             return data
         return bytes(b ^ 0x01 for b in data)  # same shapes and dtypes, other values
 
-    async def run(self, p2p: P2P, handler: str, others: Callable[[], list[str]]) -> None:
+    async def run(self, reach: Reach) -> None:
+        await asyncio.gather(*[attack(reach) for kind, attack in (("flood", self._flood), ("trickle", self._trickle),
+                                                                   ("sybil", self._sybil)) if kind in self.kinds])
+
+    async def _flood(self, reach: Reach) -> None:
         """flood: every second, open FLOOD_STREAMS all-reduce streams to every other peer, each naming a
         made-up group, and hold them open (an owner waits `stall` s for a group it does not know yet)."""
-        if "flood" not in self.kinds:
-            return
+        p2p, handler, others = reach.p2p, reach.handler("ar"), reach.others
         held: list[Channel] = []
 
         async def open_one(peer: PeerID) -> None:
@@ -114,6 +175,80 @@ class Attacker(Hooks):
             while len(held) > 4 * FLOOD_STREAMS * max(1, len(targets)):
                 held.pop(0).close()
             await asyncio.sleep(1.0)
+
+    async def _trickle(self, reach: Reach) -> None:
+        """trickle: keep TRICKLE_STREAMS streams open on each stream handler of every other peer, each
+        announcing the largest HELLO anyone accepts and then sending one byte of it every stall / 2 s, so that
+        no stall time-out ever fires; a stream the victim ends is opened again."""
+        held: dict[tuple[str, str], set[asyncio.Task]] = {}
+
+        async def hold(peer: str, name: str) -> None:
+            with contextlib.suppress(WireError, ConnectionError, RuntimeError):
+                channel = await Channel.open(reach.p2p, PeerID.from_base58(peer), name, reach.stall)
+                try:
+                    channel.writer.write(HEADER.pack(Kind.HELLO, CONTROL_BYTES))
+                    while True:
+                        await channel.writer.drain()
+                        try:
+                            async with asyncio.timeout(reach.stall / 2):
+                                while await channel.reader.read(2**16):  # the victim's FAIL, discarded
+                                    pass
+                            return  # the victim closed the stream
+                        except TimeoutError:
+                            channel.writer.write(b"\x00")
+                finally:
+                    channel.close()
+        while True:
+            targets = await asyncio.get_running_loop().run_in_executor(None, reach.others)
+            for peer in targets:
+                for name in (reach.handler(w) for w in ("ar", "ar_repair", "ar_audit", "state")):
+                    tasks = held.setdefault((peer, name), set())
+                    tasks -= {t for t in tasks if t.done()}
+                    tasks |= {asyncio.ensure_future(hold(peer, name)) for _ in range(TRICKLE_STREAMS - len(tasks))}
+            await asyncio.sleep(1.0)
+
+    async def _sybil(self, reach: Reach) -> None:
+        """sybil: mint SYBILS identities (with the swarm's proof of work each, within SYBIL_BUDGET_S s) and have
+        each sign the run's fingerprint and manifest for a forged run: the run's own config with outer.lr x 10,
+        under that config's fingerprint. A peer that checks the fingerprint or reads the manifest later (a
+        newcomer, `swarm join`) then counts them as peers of the run."""
+        await asyncio.get_running_loop().run_in_executor(None, sybil_attack, reach.dht, reach.cfg)
+
+
+def sybil_attack(dht, cfg, budget_s: float = SYBIL_BUDGET_S, count: int = SYBILS) -> Optional[dict]:
+    """The `sybil` attack, blocking: waits for the run's manifest, mints identities, stores their votes.
+    Returns what it did (identities, seconds per identity, the forged fingerprint), also logged."""
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from swarm.net import schema
+    from swarm.net.manifest import ManifestRefused, choose_manifest, read_manifests
+    from swarm.net.sybil import forged_run, mint, store_as
+
+    deadline = time.monotonic() + budget_s
+    while True:
+        try:
+            fingerprint, manifests = read_manifests(dht, cfg.run_id, cfg.request_timeout, cfg.identity_work)
+            choice = choose_manifest(cfg.run_id, manifests, fingerprint)
+            break
+        except (ManifestRefused, TimeoutError):
+            if time.monotonic() > deadline:
+                logger.warning("sybil: the run has no manifest to forge; giving up")
+                return None
+            time.sleep(1.0)
+    forged, forged_fp = forged_run(choice.shared, choice.record.corpus_sha256, choice.record.weights_sha256)
+    sybils, per_identity = mint(count, cfg.identity_work, max(1.0, deadline - time.monotonic()))
+    for sybil in sybils:
+        now = get_dht_time()
+        for key, record in ((schema.run_key(cfg.run_id), schema.RunRecord(fingerprint=forged_fp, time=now,
+                                                                          work=sybil.work)),
+                            (schema.manifest_key(cfg.run_id), schema.ManifestRecord(
+                                config=forged, fingerprint=forged_fp, creator=choice.record.creator, time=now,
+                                version=schema.MANIFEST_VERSION, corpus_sha256=choice.record.corpus_sha256,
+                                weights_sha256=choice.record.weights_sha256, work=sybil.work))):
+            store_as(dht, sybil, key, record.dict(), now + schema.RUN_RECORD_EXPIRATION, cfg.request_timeout)
+    logger.warning(f"sybil: {len(sybils)} identities signed fingerprint {forged_fp} (outer.lr x 10), "
+                   f"{per_identity:.2f} s each to mint with swarm.identity_work {cfg.identity_work}")
+    return {"identities": len(sybils), "s_per_identity": per_identity, "fingerprint": forged_fp}
 
 
 def hooks_for(kinds: list[str]) -> Hooks:

@@ -16,6 +16,7 @@ RSA because hivemind's record validator signs with RSA only; a foreign key type 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import os
@@ -42,6 +43,7 @@ class Identity:
     private_key: RSAPrivateKey
     peer_id: PeerID
     path: Optional[str]  # None: made for this process only
+    work: int = 0  # nonce of the proof of work on this key (swarm.identity_work, work.py), in every record
 
     @property
     def owner(self) -> bytes:
@@ -63,6 +65,15 @@ class Identity:
                 f.write(crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA,
                                               data=self.private_key.to_bytes()).SerializeToString())
             yield path
+
+
+def with_work(identity: Identity, bits: int) -> Identity:
+    """`identity` with a nonce that proves `bits` of work on its key (found or read back: work.nonce_for)."""
+    from swarm.net.work import nonce_for, proves, public_key
+
+    if proves(public_key(identity.owner), identity.work, bits):
+        return identity
+    return dataclasses.replace(identity, work=nonce_for(identity.owner, bits, identity.path))
 
 
 def _rsa_key(der: bytes) -> RSAPrivateKey:
@@ -102,7 +113,8 @@ def load_identity(path: Optional[str]) -> Identity:
 
 
 @functools.lru_cache(maxsize=4096)
-def _peer_id_of_public_key(ssh_public_key: bytes) -> Optional[str]:
+def peer_id_of_public_key(ssh_public_key: bytes) -> Optional[str]:
+    """The base58 peer id of an RSA public key in OpenSSH format (libp2p's rule); None if it is not one."""
     try:
         public_key = serialization.load_ssh_public_key(ssh_public_key)
     except (ValueError, TypeError, UnsupportedAlgorithm):
@@ -113,9 +125,15 @@ def _peer_id_of_public_key(ssh_public_key: bytes) -> Optional[str]:
     return PeerID(digest).to_base58()
 
 
+def owner_key(subkey: bytes) -> bytes:
+    """The public key inside an owner marker subkey (b"" if it is none)."""
+    found = _OWNER.fullmatch(subkey) if isinstance(subkey, bytes) else None
+    return found.group(1) if found else b""
+
+
 def owner_peer_id(subkey: object) -> Optional[str]:
     """The peer id of the key in an owner marker subkey (base58), or None if `subkey` is not one."""
     if not isinstance(subkey, bytes):
         return None
     found = _OWNER.fullmatch(subkey)
-    return _peer_id_of_public_key(found.group(1)) if found else None
+    return peer_id_of_public_key(found.group(1)) if found else None

@@ -30,13 +30,14 @@ import hivemind
 from hivemind.utils.timed_storage import get_dht_time
 from pydantic.v1 import BaseModel, ValidationError
 
-from swarm.config import PER_PEER_KEYS, Config, ConfigError, is_per_peer
+from swarm.config import Config, ConfigError, is_per_peer, shared_config
 from swarm.configfile import config_from_dict
 from swarm.errors import SwarmError
 from swarm.net import schema
 from swarm.net.dht import run_fingerprint
 from swarm.net.identity import Identity
 from swarm.net.schema import IndexRecord, ManifestRecord
+from swarm.runid import RunIdentity
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +48,6 @@ nodes a reader asks within a few reads."""
 
 class ManifestRefused(SwarmError):
     """No manifest of the run passes the checks; the message says why the best one failed."""
-
-
-def shared_config(cfg: Config) -> dict[str, dict]:
-    """What a manifest holds: `Config.to_dict()` without `config.PER_PEER_KEYS`."""
-    out = {}
-    for section, values in cfg.to_dict().items():
-        if section not in PER_PEER_KEYS:
-            out[section] = {k: v for k, v in values.items() if not is_per_peer(f"{section}.{k}")}
-    return out
 
 
 def _canonical(config: dict) -> str:
@@ -73,16 +65,21 @@ def check_manifest(run_id: str, record: ManifestRecord, fingerprint: str) -> Con
     for section, values in record.config.items():
         for key in [section] if is_per_peer(section) else [f"{section}.{k}" for k in values]:
             if is_per_peer(key):
-                raise ManifestRefused(f"it sets {key}, which is each peer's own (config.PER_PEER_KEYS)")
+                raise ManifestRefused(f"it sets {key}, which is each peer's own")
     try:
         cfg = config_from_dict(json.loads(json.dumps(record.config)))  # a deep copy: loading keeps lists
     except ConfigError as e:
         raise ManifestRefused(f"this version cannot read its config ({e})") from None
     if cfg.swarm.run_id != run_id:
         raise ManifestRefused(f"its config is for run {cfg.swarm.run_id!r}")
-    if cfg.fingerprint() != fingerprint:
-        raise ManifestRefused(f"its config gives fingerprint {cfg.fingerprint()}, not the run's {fingerprint}")
+    if (found := identity_of(record, cfg).fingerprint) != fingerprint:
+        raise ManifestRefused(f"its config gives fingerprint {found}, not the run's {fingerprint}")
     return cfg
+
+
+def identity_of(record: ManifestRecord, cfg: Config) -> RunIdentity:
+    """The run identity a manifest describes (`cfg`: its config, loaded)."""
+    return RunIdentity(shared_config(cfg), record.corpus_sha256, record.weights_sha256)
 
 
 @dataclass
@@ -93,6 +90,10 @@ class Choice:
     shared: dict[str, dict]  # the manifest's config, as stored
     record: ManifestRecord
     signers: list[str]  # peer ids that signed this very config
+
+    @property
+    def run(self) -> RunIdentity:
+        return identity_of(self.record, self.config)
 
 
 def choose_manifest(run_id: str, manifests: dict[str, ManifestRecord], fingerprint: Optional[str]) -> Choice:
@@ -123,27 +124,30 @@ def _get(dht: hivemind.DHT, key: str):
     return dht.get(key, latest=True, return_future=True)
 
 
-def read_manifests(dht: hivemind.DHT, run_id: str, timeout: float) -> tuple[Optional[str], dict[str, ManifestRecord]]:
-    """The run's fingerprint (majority of its signed run records) and its manifests by signer; a read that
-    does not answer within `timeout` raises TimeoutError (it must not look like a run without a manifest)."""
+def read_manifests(dht: hivemind.DHT, run_id: str, timeout: float,
+                   work: int = 0) -> tuple[Optional[str], dict[str, ManifestRecord]]:
+    """The run's fingerprint (majority of its signed run records) and its manifests by signer, of the signers
+    with `work` bits of proof of work (swarm.identity_work); a read that does not answer within `timeout`
+    raises TimeoutError (it must not look like a run without a manifest)."""
     runs, manifests = _get(dht, schema.run_key(run_id)), _get(dht, schema.manifest_key(run_id))
     deadline = time.monotonic() + timeout
     signed = runs.result(timeout=timeout)
     found = manifests.result(timeout=max(0.0, deadline - time.monotonic()))
     now = get_dht_time()
-    return (run_fingerprint(schema.read_owned(signed, schema.RunRecord, now)),
-            schema.read_owned(found, ManifestRecord, now))
+    return (run_fingerprint(schema.read_owned(signed, schema.RunRecord, now, work)),
+            schema.read_owned(found, ManifestRecord, now, work))
 
 
-def fetch_manifest(dht: hivemind.DHT, run_id: str, initial_peers: list[str], wait: float) -> Choice:
-    """The run's manifest, read every READ_INTERVAL s for at most `wait` s (records propagate); SwarmError
-    if none answers, ManifestRefused once two reads in a row find manifests and refuse them all."""
+def fetch_manifest(dht: hivemind.DHT, run_id: str, initial_peers: list[str], wait: float, work: int = 0) -> Choice:
+    """The run's manifest, read every READ_INTERVAL s for at most `wait` s (records propagate), counting only
+    signers with `work` bits of proof of work; SwarmError if none answers, ManifestRefused once two reads in
+    a row find manifests and refuse them all."""
     deadline = time.monotonic() + wait
     refused: Optional[ManifestRefused] = None
     hint = "is the run name right?"
     while True:
         try:
-            fingerprint, manifests = read_manifests(dht, run_id, max(0.1, deadline - time.monotonic()))
+            fingerprint, manifests = read_manifests(dht, run_id, max(0.1, deadline - time.monotonic()), work)
             return choose_manifest(run_id, manifests, fingerprint)
         except ManifestRefused as e:
             if manifests and fingerprint is not None:
@@ -185,15 +189,15 @@ def _record(model: type[BaseModel], what: str, **fields) -> Optional[dict]:
         return None
 
 
-def publish(dht: hivemind.DHT, cfg: Config, identity: Identity, params: int) -> None:
+def publish(dht: hivemind.DHT, cfg: Config, run: RunIdentity, identity: Identity, params: int) -> None:
     """After this peer signed the run's fingerprint: store its copy of the run's manifest where the run has
     none, or fewer than MANIFEST_COPIES of the config this peer runs, and its index entry where the run has
     fewer than INDEX_COPIES (an open run only). Each DHT call is bounded by `swarm.request_timeout`; one that
     fails only leaves fewer copies (a warning), never stops the peer."""
     s = cfg.swarm
-    peer_id, fingerprint, shared = identity.peer_id.to_base58(), cfg.fingerprint(), shared_config(cfg)
+    peer_id, fingerprint, shared = identity.peer_id.to_base58(), run.fingerprint, run.config
     try:
-        run_fp, manifests = read_manifests(dht, s.run_id, s.request_timeout)
+        run_fp, manifests = read_manifests(dht, s.run_id, s.request_timeout, s.identity_work)
     except concurrent.futures.TimeoutError:
         logger.warning("run %r: the manifest read did not answer within %g s; not publishing it", s.run_id,
                        s.request_timeout)
@@ -213,7 +217,8 @@ def publish(dht: hivemind.DHT, cfg: Config, identity: Identity, params: int) -> 
     if creator is not None:
         what = f"the manifest of run {s.run_id!r}"
         record = _record(ManifestRecord, what, config=shared, fingerprint=fingerprint, creator=creator,
-                         time=get_dht_time(), version=schema.MANIFEST_VERSION)
+                         time=get_dht_time(), version=schema.MANIFEST_VERSION, corpus_sha256=run.corpus_sha256,
+                         weights_sha256=run.weights_sha256, work=identity.work)
         if record is not None:
             _store(dht, schema.manifest_key(s.run_id), record, identity, s.request_timeout, what)
     if s.auth != "open":

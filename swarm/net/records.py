@@ -1,11 +1,11 @@
-"""`SwarmAverager`'s DHT records: its progress record (heartbeat included) and where it stands by the records
-of others (`policy.assess`).
+"""`SwarmAverager`'s DHT records (its `records` attribute): its progress record (heartbeat included) and where
+it stands by the records of others (`policy.assess`).
 
 - `publish_progress()`: a `ProgressRecord` under `{run_id}_progress`, signed (with the trainer's last
   `PeerStats`, for watchers); a heartbeat thread re-stores it every `cfg.progress_interval`, so a record
   that stopped changing is a dead peer's (policy.py).
 - `offer_state()`: the commit record of a snapshot, then serving it, done by the heartbeat as well.
-- `peers()`, `_assess()`: the run's records as their signers wrote them, and the policy's verdict on them;
+- `peers()`, `assess()`: the run's records as their signers wrote them, and the policy's verdict on them;
   peers whose claims the policy ignored are noted in this peer's events (access.py).
 - `others_ready()`: whether most live groupmates finished their inner steps (the trainer asks after every
   inner step; the DHT is read at most once per `progress_interval`).
@@ -34,28 +34,67 @@ logger = logging.getLogger(__name__)
 
 
 class Records:
-    cfg: SwarmConfig
-    dht: hivemind.DHT
-    peer_id: str
-    peer_name: str
-    access: Access
-    hooks: Hooks
-    _owner: bytes  # our owner marker: the subkey of every record we write (we sign them)
-    _stats: PeerStats
-    _last_progress: Optional[tuple]
-    _published: Optional[schema.ProgressRecord]
-    _ready_seen: tuple[int, float, bool]
-    _dht_lock: threading.Lock
-    _stopping: threading.Event
-    _progress_due: threading.Event  # the trainer published a record: the heartbeat stores it now
-    _server: StateServer  # we serve a state once we committed one (`serves_state` in our record)
-    _committed: str
-    _commit_lock: threading.Lock
-    _offered: Optional[Snapshot]
-    _pending_commit: Optional[Snapshot]
-    _storing: set[concurrent.futures.Future]  # stores not answered yet, that the heartbeat did not wait for
+    """A peer's own progress and commit records, stored by a heartbeat thread (`start()` ... `close()`), and
+    its reading of everyone's records. `server` is the peer's state server: a state is served (`serving`)
+    once its commit record is stored."""
 
-    def publish_progress(self, round: int, inner_step: int, samples: int, samples_per_s: float,
+    def __init__(self, cfg: SwarmConfig, dht: hivemind.DHT, peer_id: str, peer_name: str, owner: bytes,
+                 access: Access, hooks: Hooks, server: StateServer, work: int = 0):
+        self.cfg, self.dht, self.peer_id, self.peer_name = cfg, dht, peer_id, peer_name
+        self.access, self.hooks, self.server = access, hooks, server
+        self._owner = owner  # our owner marker: the subkey of every record we write (we sign them)
+        self._work = work  # the nonce of our proof of work (swarm.identity_work), in every record we write
+        self._stats = PeerStats()  # the last ones the trainer gave, in every record until it gives others
+        self._last_progress: Optional[tuple] = None  # publish_progress arguments, re-sent by the heartbeat
+        self._published: Optional[schema.ProgressRecord] = None  # our last record, as we made it
+        self._ready_seen: tuple[int, float, bool] = (-1, 0.0, False)  # others_ready: (outer step, when, answer)
+        self._dht_lock = threading.Lock()  # the trainer's thread and the heartbeat share the DHT's pipe
+        self._stopping = threading.Event()
+        self._progress_due = threading.Event()  # the trainer published a record: the heartbeat stores it now
+        self._committed = ""  # hash of the global parameters of our last commit (offer_state)
+        self._commit_lock = threading.Lock()
+        self._offered: Optional[Snapshot] = None  # the state offer_state was last given (None: withdrawn)
+        self._pending_commit: Optional[Snapshot] = None  # offered, its commit record not stored yet
+        self._storing: set[concurrent.futures.Future] = set()  # stores not answered yet, not waited for
+        self._beat = threading.Thread(target=self._heartbeat, name="swarm-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        """Start the heartbeat."""
+        self._beat.start()
+
+    def close(self) -> None:
+        """Stop the heartbeat, then store a commit record still pending: others take their bearings from it."""
+        self._stopping.set()
+        self._progress_due.set()  # wakes the heartbeat, which sees _stopping
+        if self._beat.is_alive():
+            self._beat.join(self.cfg.request_timeout + self.cfg.progress_interval)
+        self.flush_commit()
+
+    @property
+    def committed(self) -> str:
+        """Hash of the global parameters of our last commit ("" before the first)."""
+        return self._committed
+
+    @property
+    def serving(self) -> Optional[Snapshot]:
+        """The state we serve to newcomers (None: nothing yet, withdrawn, or a client)."""
+        return self.server.snapshot
+
+    @property
+    def commit_pending(self) -> bool:
+        """A state was offered and its commit record is not stored yet (the heartbeat stores it)."""
+        return self._pending_commit is not None
+
+    @property
+    def unconfirmed(self) -> int:
+        """Stores sent without waiting that the DHT has not answered yet."""
+        return len(self._storing)
+
+    def announced_ready(self, outer_step: int) -> bool:
+        """Whether our last published record says we are ready for `outer_step`."""
+        return self._last_progress is not None and self._last_progress[0] == outer_step and self._last_progress[4]
+
+    def publish_progress(self, outer_step: int, inner_step: int, samples: int, samples_per_s: float,
                          ready: bool = False, sha256: str = "", stats: Optional[PeerStats] = None,
                          wait: bool = False) -> None:
         """Returns at once: the heartbeat thread stores the record. The trainer calls this from inside its
@@ -64,7 +103,7 @@ class Records:
         thread, returning once the DHT confirmed it (or after request_timeout), for announcements that
         others must see before this peer goes on (taking a state, finished)."""
         self._stats = stats or self._stats
-        self._last_progress = (round, inner_step, samples, samples_per_s, ready, sha256)
+        self._last_progress = (outer_step, inner_step, samples, samples_per_s, ready, sha256)
         if wait:
             self._store_progress(wait=True)
         else:
@@ -72,19 +111,19 @@ class Records:
 
     def _store_progress(self, wait: bool) -> None:
         with self._dht_lock:  # read, stamp and send in one go: a later store always carries later content
-            round, inner_step, samples, samples_per_s, ready, sha256 = self._last_progress
+            outer_step, inner_step, samples, samples_per_s, ready, sha256 = self._last_progress
             now = get_dht_time()
             record = schema.ProgressRecord(
-                peer_id=self.peer_id, name=self.peer_name, round=round, inner_step=inner_step, samples=samples,
-                samples_per_s=float(samples_per_s), time=float(now), serves_state=self._server.snapshot is not None,
-                ready=ready, sha256=sha256, **schema.watched(**dataclasses.asdict(self._stats)))
+                peer_id=self.peer_id, name=self.peer_name, round=outer_step, inner_step=inner_step, samples=samples,
+                samples_per_s=float(samples_per_s), time=float(now), serves_state=self.server.snapshot is not None,
+                ready=ready, sha256=sha256, work=self._work, **schema.watched(**dataclasses.asdict(self._stats)))
             self._published = record
             future = self.dht.store(schema.progress_key(self.cfg.run_id), self.hooks.progress(record.dict()),
                                     subkey=self._owner,
                                     expiration_time=now + self.cfg.progress_expiration, return_future=True)
         # Stores not waited for overlap: a DHT node keeps the record that expires last and refuses an older one
         # that arrives after it, which is no loss once a later record of ours was sent.
-        self._confirm(future, f"progress record of round {round}", wait,
+        self._confirm(future, f"progress record of outer step {outer_step}", wait,
                       superseded=lambda: self._published is not record)
 
     def _confirm(self, future: concurrent.futures.Future, what: str, wait: bool,
@@ -125,13 +164,13 @@ class Records:
                 return
         self._store_commit(snapshot)
 
-    def _withdraw_state(self) -> None:
+    def withdraw_state(self) -> None:
         """Serve nothing from now on (our state is about to be overwritten), not even an offer still pending."""
         with self._commit_lock:
             self._offered = self._pending_commit = None
-            self._server.snapshot = None
+            self.server.snapshot = None
 
-    def _flush_commit(self, wait: bool = True) -> None:
+    def flush_commit(self, wait: bool = True) -> None:
         """Store the commit record still pending, if any: before our last progress record, or leaving."""
         with self._commit_lock:
             snapshot, self._pending_commit = self._pending_commit, None
@@ -140,7 +179,8 @@ class Records:
 
     def _store_commit(self, snapshot: Snapshot, wait: bool = True) -> None:
         now = get_dht_time()
-        record = schema.CommitRecord(name=self.peer_name, round=snapshot.round, sha256=snapshot.sha256, time=now)
+        record = schema.CommitRecord(name=self.peer_name, round=snapshot.round, sha256=snapshot.sha256, time=now,
+                                     work=self._work)
         with self._dht_lock:
             future = self.dht.store(schema.commits_key(self.cfg.run_id), record.dict(), subkey=self._owner,
                                     expiration_time=now + schema.RUN_RECORD_EXPIRATION, return_future=True)
@@ -148,7 +188,7 @@ class Records:
         def serve() -> None:  # unless withdrawn or superseded meanwhile; a client cannot be dialed: never serves
             with self._commit_lock:
                 if self._offered is snapshot and not self.cfg.client_mode:
-                    self._server.snapshot = snapshot
+                    self.server.snapshot = snapshot
         self._confirm(future, f"commit record of round {snapshot.round}", wait, then=serve)
 
     def _heartbeat(self) -> None:
@@ -160,38 +200,63 @@ class Records:
             if self._stopping.is_set():
                 return
             self._progress_due.clear()
-            self._flush_commit(wait=False)
+            self.flush_commit(wait=False)
             if self._last_progress is not None:
                 self._store_progress(wait=False)
 
-    def _read(self, key: str, model: type) -> dict[str, object]:
-        """This run's records under `key` by their signers' peer ids (schema.read_owned)."""
+    def read(self, key: str, model: type) -> Optional[dict[str, object]]:
+        """This run's records under `key` by their signers' peer ids (schema.read_owned: bounded, and with
+        `swarm.identity_work` only those of proven identities); None if the DHT did not answer within the
+        live window (a failed read must not look like an empty swarm; what a slower read returns would be
+        stale anyway: a live peer's record may have aged out of the window meanwhile)."""
         with self._dht_lock:
             future = self.dht.get(key, latest=True, return_future=True)
-        return schema.read_owned(future.result(), model, get_dht_time())
+        try:
+            found = future.result(timeout=live_window(self.cfg))
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            logger.warning(f"reading {key} did not answer within {live_window(self.cfg):g} s (the live window)")
+            return None
+        lifetime = self.cfg.progress_expiration if model is schema.ProgressRecord else schema.RUN_RECORD_EXPIRATION
+        return schema.read_owned(found, model, get_dht_time(), self.cfg.identity_work, lifetime)
 
     def peers(self) -> list[schema.ProgressRecord]:
-        """Progress records of this run (ours included, as we made it), each signed by the peer it describes."""
-        records = self._read(schema.progress_key(self.cfg.run_id), schema.ProgressRecord)
+        """Progress records of this run (ours included, as we made it), each signed by the peer it describes;
+        [] if the read failed (`read_peers` tells that apart). With `swarm.identity_work`, the peers they name
+        are the proven ones (access)."""
+        return self.read_peers() or []
+
+    def read_peers(self) -> Optional[list[schema.ProgressRecord]]:
+        """`peers()`, or None if the read failed."""
+        records = self.read(schema.progress_key(self.cfg.run_id), schema.ProgressRecord)
+        if records is None:
+            return None
+        if self.cfg.identity_work:
+            self.access.prove({*records, self.peer_id})
         if self.peer_id in records and self._published is not None:
             records[self.peer_id] = self._published
         return list(records.values())
 
-    def _assess(self, round: int, sha256: str, commits: bool = True) -> policy.Position:
-        records = self._read(schema.commits_key(self.cfg.run_id), schema.CommitRecord) if commits else {}
-        position = policy.assess(self.peer_id, round, sha256, self.peers(), records, get_dht_time(),
+    def assess(self, outer_step: int, sha256: str, commits: bool = True) -> policy.Position:
+        """Where we stand at `outer_step` with global parameters `sha256` by the records (policy.assess); without
+        `commits`, the commit records are not read (`others_ready` needs only the progress records). A read
+        that failed makes it UNSURE."""
+        records = self.read(schema.commits_key(self.cfg.run_id), schema.CommitRecord) if commits else {}
+        if records is None:
+            return policy.Position(policy.Verdict.UNSURE, outer_step, None, None, note="commit records unreadable")
+        position = policy.assess(self.peer_id, outer_step, sha256, self.peers(), records, get_dht_time(),
                                  live_window(self.cfg))
         for peer in position.ignored:
             self.access.note("ignored_claim", peer, "claims a round more than one past the swarm's majority")
         return position
 
-    def others_ready(self, round: int) -> bool:
+    def others_ready(self, outer_step: int) -> bool:
         """Asked after every inner step; reads the DHT at most once per `progress_interval` (a fresh answer
         is no fresher than the progress records it reads)."""
-        seen_round, asked, answer = self._ready_seen
-        if seen_round == round and time.monotonic() - asked < self.cfg.progress_interval:
+        seen, asked, answer = self._ready_seen
+        if seen == outer_step and time.monotonic() - asked < self.cfg.progress_interval:
             return answer
         sha = self._last_progress[5] if self._last_progress else ""
-        answer = self._assess(round, sha, commits=False).others_ready
-        self._ready_seen = (round, time.monotonic(), answer)
+        answer = self.assess(outer_step, sha, commits=False).others_ready
+        self._ready_seen = (outer_step, time.monotonic(), answer)
         return answer

@@ -20,15 +20,24 @@ peer id from that key, so a peer can only ever speak for itself.
   committed or downloaded and its hash; kept `RUN_RECORD_EXPIRATION`, long after the peer left, so a peer
   that comes back late knows how far the swarm got (and never trains on alone from an older round).
 - `{run_id}_run`       dictionary, subkey = owner marker, value = `RunRecord.dict()`: the run fingerprint
-  (`Config.fingerprint()`) each peer joined with, what peers must share to average together. A peer whose
-  fingerprint differs from the one most peers of the run signed refuses to join (dht.py).
+  (swarm/runid.py: the run config, corpus and initial weights) each peer joined with, what peers must share
+  to average together. A peer whose fingerprint differs from the one most peers of the run signed refuses
+  to join (dht.py), naming the first key that differs (read from the run's manifest).
 
 - `{run_id}_manifest`  dictionary, subkey = owner marker, value = `ManifestRecord.dict()`: the run's config
-  without the per-peer keys (`config.PER_PEER_KEYS`), what `swarm join RUN` starts a peer from. The peer
+  without the per-peer keys (`config.PER_PEER_KEYS`) and the hashes of its corpus and initial weights, what
+  `swarm join RUN` starts a peer from and what a refused peer is compared with. The peer
   that creates the run stores it; a later peer whose own config equals the chosen manifest's re-stores it
   under its own key while fewer than `MANIFEST_COPIES` peers hold it, so it outlives the creator. Signed
   like every record; a reader believes only a manifest whose fingerprint is the run's (the majority of
   `{run_id}_run`) and whose config reproduces it (swarm/net/manifest.py). Kept `RUN_RECORD_EXPIRATION`.
+- `{run_id}_leases`    dictionary, subkey = owner marker, value = `LeaseRecord.dict()`: the data shard each peer
+  holds and how far it read it (swarm/data_leases.py is the policy, swarm/net/leases.py the store and reads).
+  Stored when a peer takes a shard and re-stored at every round's close. A lease is live while its `time`
+  is within the live window or its owner's progress record is live (`config.live_window`): a dead peer's
+  lease expires with its heartbeat. The record itself is kept `RUN_RECORD_EXPIRATION`, so that the samples
+  drawn from each shard are known after its holder left (newcomers take the least-used free shard) and a
+  restarted peer finds its own lease (by owner, or by name with a fresh key) and takes its shard back.
 - `swarm_runs` (`INDEX_KEY`, the one key outside any run's prefix) dictionary, subkey = owner marker, value =
   `IndexRecord.dict()` {run_id, fingerprint, params, time}: the runs this DHT knows, for `swarm runs` (a
   Kademlia DHT cannot be listed). The creator of an open run stores an entry, later peers re-store theirs
@@ -40,6 +49,16 @@ Matchmaking keys are hivemind's own (`{run_id}_{fingerprint}.0b<round bits>`, se
 P2P stream names are built by `handler_name()`.
 
 Numbers use strict pydantic types: `SchemaValidator` rejects any record that needs a type conversion.
+
+Bounds on what a stranger can make every reader hold (`read_owned` applies them, whoever stored the record):
+- one record per owner and key: an owner marker subkey is exactly `[owner:ssh-rsa <base64>]` (hivemind's
+  own pattern also admits `[owner:K]x[owner:K]`, one owner's unlimited further subkeys);
+- strings: names and peer ids at most `MAX_NAME` characters, hashes and fingerprints their own length;
+- times: a record whose `time` is more than `MAX_CLOCK_SKEW` s ahead of the reader's clock (it would look
+  live for ever), or whose expiration lies further ahead than the writer may set (`progress_expiration` for
+  progress records, `RUN_RECORD_EXPIRATION` for the others, plus MAX_CLOCK_SKEW), is no record;
+- identities (`swarm.identity_work`, work.py): with B > 0 bits, a record counts only if its `work` nonce
+  proves B bits of work on its owner's key.
 """
 
 from __future__ import annotations
@@ -49,7 +68,6 @@ import math
 import re
 from typing import Any, Optional
 
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import SchemaValidator, conbytes
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
@@ -66,21 +84,28 @@ from pydantic.v1 import (
     validator,
 )
 
-from swarm.net.identity import Identity, owner_peer_id
+from swarm.net.identity import Identity, owner_key, owner_peer_id
+from swarm.net.work import proves
 
 RUN_RECORD_EXPIRATION = 7 * 24 * 3600.0
 """The fingerprint and commit records outlive every peer of a run by this much; a DHT needs an expiration."""
+MAX_CLOCK_SKEW = 60.0
+"""Seconds a record's time (or its expiration past the writer's limit) may lie ahead of the reader's clock: the
+±1 min that hivemind's access tokens allow between the clocks of two machines."""
+MAX_NAME = 128  # characters of a peer name or peer id in a record
 
 Sha256 = constr(regex=r"^([0-9a-f]{64})?$", strict=True)
-Owner = conbytes(regex=b"^" + RSASignatureValidator.PUBLIC_KEY_REGEX + b"$", max_length=2048)
+Owner = conbytes(regex=rb"^\[owner:ssh-rsa [A-Za-z0-9+/]+={0,2}\]$", max_length=2048)
 Finite = confloat(strict=True, allow_inf_nan=False)
+Name = constr(max_length=MAX_NAME, strict=True)
+Work = conint(ge=0, lt=2**64, strict=True)  # the nonce of the owner's proof of work (work.py); 0 without
 
 
 class ProgressRecord(BaseModel):
     """How far one peer is. `time` is hivemind DHT time (`get_dht_time()`) when it was written."""
 
-    peer_id: StrictStr
-    name: StrictStr
+    peer_id: Name
+    name: Name
     round: conint(ge=0, strict=True)  # outer steps this peer's global parameters hold
     inner_step: conint(ge=0, strict=True)
     samples: conint(ge=0, strict=True)
@@ -96,26 +121,30 @@ class ProgressRecord(BaseModel):
     bytes_received: Optional[conint(ge=0, strict=True)] = None
     eval_loss: Optional[Finite] = None  # held-out loss of its global parameters at `eval_round`
     eval_round: Optional[conint(ge=0, strict=True)] = None
+    work: Work = 0
 
 
 class CommitRecord(BaseModel):
     """The last round a peer committed (or downloaded) and the hash of its global parameters then."""
 
-    name: StrictStr
+    name: Name
     round: conint(ge=0, strict=True)
     sha256: Sha256
     time: StrictFloat
+    work: Work = 0
 
 
 class RunRecord(BaseModel):
     """The run fingerprint one peer joined with."""
 
-    fingerprint: StrictStr
+    fingerprint: constr(max_length=64, strict=True)
     time: StrictFloat
+    work: Work = 0
 
 
-MANIFEST_VERSION = 1
-"""The manifest layout this code writes and reads; a reader refuses a newer one (it may mean other things)."""
+MANIFEST_VERSION = 2
+"""The manifest layout this code writes and reads; a reader refuses a newer one (it may mean other things).
+2: the fingerprint hashes the whole run config, the corpus and the initial weights (swarm/runid.py)."""
 MAX_MANIFEST_BYTES = 16384
 """A config's JSON is a few KB (configs/llama-1b.yaml: ~2 KB); this bounds what a stranger can make every
 reader parse and every DHT node store."""
@@ -129,10 +158,13 @@ class ManifestRecord(BaseModel):
     """A run's config without the per-peer keys, signed by the peer that stored it."""
 
     config: dict[StrictStr, dict[StrictStr, Any]]  # Config.to_dict() minus config.PER_PEER_KEYS
-    fingerprint: constr(max_length=64, strict=True)  # Config.fingerprint() of `config`, as its writer says
+    fingerprint: constr(max_length=64, strict=True)  # RunIdentity.fingerprint of the three below, as its writer says
     creator: constr(max_length=64, strict=True)  # peer id of the peer that created the run (as the writer knows)
     time: StrictFloat
     version: conint(ge=1, strict=True)
+    corpus_sha256: constr(max_length=64, strict=True) = ""  # the run's prepared corpus (swarm/runid.py)
+    weights_sha256: Optional[constr(max_length=64, strict=True)] = None  # model.pretrained's weights, if any
+    work: Work = 0
 
     @validator("config")
     def _bounded(cls, value: dict) -> dict:  # noqa: N805 (pydantic's validator signature)
@@ -143,6 +175,17 @@ class ManifestRecord(BaseModel):
         if size > MAX_MANIFEST_BYTES:
             raise ValueError(f"config is {size} bytes, over {MAX_MANIFEST_BYTES}")
         return value
+
+
+class LeaseRecord(BaseModel):
+    """The data shard one peer holds (swarm/data_leases.py), signed by it."""
+
+    name: Name  # the peer's name: a restarted peer with a fresh key finds its lease by it
+    shard: conint(ge=0, strict=True)
+    since: StrictFloat  # DHT time when this peer's claim on the shard began (the earlier claim wins)
+    samples: conint(ge=0, strict=True)  # samples this peer has drawn from the shard
+    time: StrictFloat
+    work: Work = 0
 
 
 class IndexRecord(BaseModel):
@@ -159,6 +202,7 @@ class RunSchema(BaseModel):
     commits: dict[Owner, Optional[CommitRecord]]
     run: dict[Owner, Optional[RunRecord]]
     manifest: dict[Owner, Optional[ManifestRecord]]
+    leases: dict[Owner, Optional[LeaseRecord]]
 
 
 class IndexSchema(BaseModel):
@@ -196,6 +240,10 @@ def manifest_key(run_id: str) -> str:
     return f"{run_id}_manifest"
 
 
+def leases_key(run_id: str) -> str:
+    return f"{run_id}_leases"
+
+
 def _safe(text: str) -> str:
     """hivemind group keys and handler names must not contain '.' (GROUP_PATTERN in key_manager.py)."""
     return re.sub(r"[^A-Za-z0-9_-]", "_", text)
@@ -218,7 +266,7 @@ class AllowlistValidator(RecordValidatorBase):
     def __init__(self, run_id: str, allowed: frozenset[str]):
         self.allowed = allowed
         self.keys = {DHTID.generate(source=key(run_id)).to_bytes()
-                     for key in (progress_key, commits_key, run_key, manifest_key)}
+                     for key in (progress_key, commits_key, run_key, manifest_key, leases_key)}
 
     def validate(self, record: DHTRecord) -> bool:
         if record.key not in self.keys:
@@ -251,10 +299,12 @@ def parse(model: type[BaseModel], value: object) -> Optional[BaseModel]:
         return None
 
 
-def read_owned(found: object, model: type[BaseModel], now: float) -> dict[str, BaseModel]:
+def read_owned(found: object, model: type[BaseModel], now: float, work: int = 0,
+               lifetime: float = RUN_RECORD_EXPIRATION) -> dict[str, BaseModel]:
     """The unexpired records of a DHT dictionary value (`dht.get(..., latest=True)`), by their owner's peer
-    id. A record that does not fit `model`, or a progress record naming another peer than its owner, is
-    no record."""
+    id. A record that does not fit `model`, a progress record naming another peer than its owner, one dated
+    ahead of `now` or expiring later than `lifetime` from now (beyond MAX_CLOCK_SKEW), or one without `work`
+    bits of proof of work on its owner's key, is no record."""
     if found is None or not isinstance(getattr(found, "value", None), dict):
         return {}
     records = {}
@@ -263,6 +313,11 @@ def read_owned(found: object, model: type[BaseModel], now: float) -> dict[str, B
         record = parse(model, item.value) if peer_id is not None else None
         if isinstance(record, ProgressRecord) and record.peer_id != peer_id:
             record = None
-        if record is not None and item.expiration_time > now:
-            records[peer_id] = record
+        if record is None or not now < item.expiration_time <= now + lifetime + MAX_CLOCK_SKEW:
+            continue
+        if getattr(record, "time", now) > now + MAX_CLOCK_SKEW:
+            continue
+        if work > 0 and not proves(owner_key(subkey), getattr(record, "work", 0), work):
+            continue
+        records[peer_id] = record
     return records

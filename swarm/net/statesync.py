@@ -37,7 +37,7 @@ from swarm.errors import SwarmError
 from swarm.net.access import Access
 from swarm.net.budget import transfer_deadline
 from swarm.net.hostile import Hooks
-from swarm.net.wire import Channel, Kind, ProtocolError, serve
+from swarm.net.wire import FIRST_FRAME_STALLS, Channel, Kind, ProtocolError, serve
 from swarm.state import TensorSpec
 from swarm.tensors import byte_view
 
@@ -68,7 +68,7 @@ class StateServer:
         self._busy = 0
 
     async def start(self) -> None:
-        await serve(self.p2p, self.name, self.stall, lambda channel: self._serve(channel))
+        await serve(self.p2p, self.name, self.stall, lambda channel: self._serve(channel), self.access)
 
     async def stop(self) -> None:
         await self.p2p.remove_binary_stream_handler(self.name)
@@ -84,9 +84,7 @@ class StateServer:
         return data
 
     async def _serve(self, channel: Channel) -> None:
-        await channel.recv_control()
-        if not self.access.admits(channel.peer):
-            return await channel.refuse(self.access.refusal(channel.peer))
+        await channel.recv_control()  # `serve` refused the peers `access` refuses before this read
         snapshot = self.snapshot
         if snapshot is None or snapshot.current_version() != snapshot.version:
             return await channel.refuse("no state to serve right now")
@@ -95,9 +93,9 @@ class StateServer:
         self._busy += 1
         try:
             specs = [TensorSpec.of(name, t) for name, t in snapshot.tensors.items()]
-            await channel.send_control(Kind.MANIFEST, {
+            await channel.send_control(Kind.MANIFEST, self.hooks.manifest({
                 "round": snapshot.round, "sha256": snapshot.sha256, "meta": snapshot.meta,
-                "tensors": [[*s.to_list(), s.nbytes] for s in specs]})
+                "tensors": [[*s.to_list(), s.nbytes] for s in specs]}))
             loop = asyncio.get_running_loop()
             for spec, tensor in zip(specs, snapshot.tensors.values()):
                 for start in range(0, spec.nbytes, DATA_BYTES):
@@ -133,13 +131,16 @@ def _manifest(value: dict) -> tuple[int, str, dict, list[TensorSpec]]:
 async def download(p2p: P2P, peer: PeerID, name: str, stall: float, min_bandwidth: float, intake: Intake,
                    check: Callable[[int, str], Optional[str]], pool: concurrent.futures.Executor) -> Download:
     """Take `peer`'s state into `intake`. `check(round, sha256)` returns why a state of that round and hash
-    must not be taken (None: take it). Raises StateRefused or a WireError."""
+    must not be taken (None: take it); it runs in `pool`, since it may block (DHT reads). Raises StateRefused
+    or a WireError."""
     start = time.monotonic()
     channel = await Channel.open(p2p, peer, name, stall)
     try:
         await channel.send_control(Kind.HELLO, {})
+        loop = asyncio.get_running_loop()
+        channel.deadline = loop.time() + FIRST_FRAME_STALLS * stall  # a donor must not trickle its manifest
         round, sha, meta, specs = _manifest(await channel.recv_control())
-        reason = check(round, sha)
+        reason = await loop.run_in_executor(pool, check, round, sha)  # it may read the DHT: not on this loop
         if reason is not None:
             raise StateRefused(f"round {round} hash {sha[:12]}: {reason}")
         try:
@@ -148,7 +149,6 @@ async def download(p2p: P2P, peer: PeerID, name: str, stall: float, min_bandwidt
             raise StateRefused(f"it does not fit this model: {e}") from None
         total = sum(s.nbytes for s in specs)
         digest = hashlib.sha256()
-        loop = asyncio.get_running_loop()
 
         def write(spec: TensorSpec, start: int, payload: bytearray) -> None:
             data = torch.frombuffer(payload, dtype=torch.uint8)

@@ -5,17 +5,28 @@ check it. Here every stream is a `Channel` of frames `[kind: u8][length: u32 LE]
 names the largest payload it accepts before a byte of it is read: a peer that announces more is refused
 (`ProtocolError`), never buffered. Payloads are read straight into one buffer of the announced size.
 
+The buffer a payload is read into grows with the bytes that arrived, never to the announced length first:
+a peer that announces the most a frame may hold and then sends a byte at a time (a trickle) costs what
+it sent, not what it announced.
+
 Time-outs follow progress, not the whole operation:
 - `stall`: a read or write that moves no byte for this long raises `Stalled`. Raise
   `swarm.stall_timeout` if you see "stalled" on a link that is slow but alive; lower it if a dead peer
   holds a round up for too long.
 - The floor on bandwidth (`swarm.min_bandwidth`) is enforced by the caller around a whole transfer
   (`budget.transfer_deadline`), since only it knows how many bytes the transfer has to move.
+- An incoming stream's first frame (its HELLO, a few hundred bytes sent in one write) must be whole within
+  `FIRST_FRAME_STALLS` x stall of the stream's start: a peer that keeps a stream alive with a byte per
+  stall never gets past it (`Trickled`, an offense: no honest peer sends a HELLO a byte at a time).
+
+Every incoming stream passes `serve`'s gates before a byte of it is read: the stream caps of its peer
+(`limits.Streams`: per peer and in total, over all of the peer's handlers) and its `Access` (allowlist, bans).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import struct
 from dataclasses import dataclass
@@ -26,12 +37,16 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.serializer import MSGPackSerializer
 
 from swarm.errors import SwarmError
+from swarm.net.access import Access
+from swarm.net.limits import streams_of
 
 logger = logging.getLogger(__name__)
 
 HEADER = struct.Struct("<BI")
+FIRST_FRAME_STALLS = 2  # an incoming stream's first frame must be whole within this many stall periods
 PIECE = 2**16  # writes are drained, and reads taken, at most this many bytes at a time
 CONTROL_BYTES = 2**22  # the largest control payload (hello, request, manifest) anyone accepts
+FAIL_REASON = 400  # bytes of a FAIL's reason; with a culprit's peer id it fits the 512 bytes a DONE slot takes
 
 
 class Kind(IntEnum):
@@ -42,6 +57,7 @@ class Kind(IntEnum):
     FAIL = 5  # utf-8 reason: the sender gives up on this stream
     MANIFEST = 6  # msgpack dict describing the state that follows
     DATA = 7  # bytes of a state tensor
+    DIGEST = 8  # msgpack dict: an owner's signed digest of the result it sent (allreduce/agree.py)
 
 
 class WireError(SwarmError):
@@ -61,7 +77,31 @@ class ProtocolError(WireError):
 
 
 class PeerFailed(WireError):
-    """The peer sent a FAIL frame with its reason."""
+    """The peer sent a FAIL frame with its reason; `culprit`: the peer it holds responsible, if it named one
+    (its word only: see allreduce/groupstate.py, `Blame`)."""
+
+    def __init__(self, reason: str, culprit: PeerID | None = None):
+        super().__init__(reason)
+        self.culprit = culprit
+
+
+def fail_payload(reason: str, culprit: PeerID | None = None) -> bytes:
+    """A FAIL frame's payload: the utf-8 reason (at most FAIL_REASON bytes), then NUL and the culprit's base58
+    peer id if it names one."""
+    return reason.encode()[:FAIL_REASON] + (b"\0" + culprit.to_base58().encode() if culprit is not None else b"")
+
+
+def parse_fail(peer: PeerID, payload: bytes | bytearray) -> PeerFailed:
+    reason, _, named = bytes(payload).partition(b"\0")
+    try:
+        culprit = PeerID.from_base58(named.decode("ascii")) if 0 < len(named) <= 64 else None
+    except ValueError:
+        culprit = None  # an unreadable name names nobody
+    return PeerFailed(f"{peer}: {reason[:FAIL_REASON].decode(errors='replace')}", culprit)
+
+
+class Trickled(ProtocolError):
+    """The peer kept its first frame coming a few bytes at a time, past the first-frame deadline."""
 
 
 @dataclass
@@ -79,6 +119,10 @@ class Channel:
                  traffic: Traffic | None = None):
         self.reader, self.writer, self.peer, self.stall = reader, writer, peer, stall
         self.traffic = traffic or Traffic()
+        self.deadline: float | None = None  # loop time by which the next frame must be whole (`serve`: the first)
+        self._partial = 0  # bytes of the frame being read so far
+        self._mid_frame = False  # a send was cancelled between the pieces of its frame
+        self.peer_failed = False  # the peer sent FAIL: it closes once we do, so draining it waits for nothing
 
     def count_into(self, traffic: Traffic) -> None:
         """From now on count this channel's bytes (and those so far) in `traffic`."""
@@ -98,7 +142,20 @@ class Channel:
         return cls(reader, writer, peer, stall, traffic)
 
     async def recv(self, max_bytes: int) -> tuple[Kind, bytearray]:
-        """The next frame; refuses (ProtocolError) a payload announced larger than `max_bytes`."""
+        """The next frame; refuses (ProtocolError) a payload announced larger than `max_bytes`, and (Trickled) a
+        frame not whole by `deadline`, if one is set (it applies to this frame only)."""
+        if self.deadline is None:
+            return await self._recv(max_bytes)
+        deadline, self.deadline = self.deadline, None
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await self._recv(max_bytes)
+        except TimeoutError:
+            raise Trickled(f"{self.peer} sent {self._partial} bytes of its first frame, a few at a time, and not "
+                           f"all of it within {FIRST_FRAME_STALLS} x {self.stall:g} s (a trickle)") from None
+
+    async def _recv(self, max_bytes: int) -> tuple[Kind, bytearray]:
+        self._partial = 0
         kind, length = HEADER.unpack(await self._read(HEADER.size))
         if kind not in Kind._value2member_map_:
             raise ProtocolError(f"{self.peer} sent a frame of unknown kind {kind}")
@@ -106,7 +163,8 @@ class Channel:
             raise ProtocolError(f"{self.peer} announced {length} bytes where at most {max_bytes} fit")
         payload = await self._read(length)
         if kind == Kind.FAIL:
-            raise PeerFailed(f"{self.peer}: {payload[:500].decode(errors='replace')}")
+            self.peer_failed = True
+            raise parse_fail(self.peer, payload)
         return Kind(kind), payload
 
     async def recv_kind(self, expected: Kind, max_bytes: int) -> bytearray:
@@ -135,6 +193,7 @@ class Channel:
                 self.writer.write(HEADER.pack(kind, len(view)))
                 for offset in range(0, max(len(view), 1), PIECE):
                     self.writer.write(view[offset:offset + PIECE])
+                    self._mid_frame = offset + PIECE < len(view)
                     await self.writer.drain()
                     watchdog.reschedule(asyncio.get_running_loop().time() + self.stall)
         except TimeoutError:
@@ -146,20 +205,32 @@ class Channel:
     async def send_control(self, kind: Kind, value: dict[str, Any]) -> None:
         await self.send(kind, MSGPackSerializer.dumps(value))
 
-    async def fail(self, reason: str) -> None:
-        """Tell the peer why we give up, if it still listens; never raises."""
+    async def fail(self, reason: str, culprit: PeerID | None = None) -> None:
+        """Tell the peer why we give up (and whom we hold responsible), if it still listens; never raises."""
+        if self._mid_frame:  # a cancelled send left a frame half written: a FAIL would read as its payload
+            return self.close()
         try:
-            await asyncio.wait_for(self.send(Kind.FAIL, reason.encode()[:500]), min(self.stall, 5.0))
+            await asyncio.wait_for(self.send(Kind.FAIL, fail_payload(reason, culprit)), min(self.stall, 5.0))
         except (WireError, TimeoutError):
             pass
 
-    async def refuse(self, reason: str) -> None:
+    async def refuse(self, reason: str, culprit: PeerID | None = None) -> None:
         """`fail`, then wait (at most min(stall, 5) s) for the peer to close, discarding what it still sends.
         For a handler that turns a stream away, with no other task reading it: closing at once resets the
         stream when bytes the peer wrote before reading our FAIL (its HELLO, its chunks) arrive after the
         close, and a reset loses the FAIL in flight, so the peer saw "closed the stream" instead of the
         reason (a refused stranger in tests/net/test_trust.py, 3 runs in 15)."""
-        await self.fail(reason)
+        await self.fail(reason, culprit)
+        with contextlib.suppress(OSError, RuntimeError):
+            if self.writer.can_write_eof():
+                self.writer.write_eof()  # the peer's own drain ends here, not after min(stall, 5) s
+        await self.drain()
+
+    async def drain(self) -> None:
+        """Discard what the peer still sends until it closes, at most min(stall, 5) s (see `refuse`); nothing if
+        it sent FAIL (it waits for our close)."""
+        if self.peer_failed:
+            return
         try:
             async with asyncio.timeout(min(self.stall, 5.0)):
                 while await self.reader.read(PIECE):
@@ -172,16 +243,16 @@ class Channel:
             self.writer.close()
 
     async def _read(self, n: int) -> bytearray:
-        buffer, got = bytearray(n), 0
-        view = memoryview(buffer)
+        """`n` bytes, in a buffer that grows as they arrive (never allocated at `n` before they do)."""
+        buffer = bytearray()
         try:
             async with asyncio.timeout(self.stall) as watchdog:
-                while got < n:
-                    piece = await self.reader.read(min(n - got, 4 * PIECE))
+                while len(buffer) < n:
+                    piece = await self.reader.read(min(n - len(buffer), 4 * PIECE))
                     if not piece:
                         raise Closed(f"{self.peer} closed the stream")
-                    view[got:got + len(piece)] = piece
-                    got += len(piece)
+                    buffer += piece
+                    self._partial += len(piece)
                     watchdog.reschedule(asyncio.get_running_loop().time() + self.stall)
         except TimeoutError:
             raise Stalled(f"{self.peer} sent no byte for {self.stall:g} s (swarm.stall_timeout)") from None
@@ -194,18 +265,36 @@ class Channel:
 Handler = Callable[[Channel], Awaitable[None]]
 
 
-async def serve(p2p: P2P, name: str, stall: float, handler: Handler) -> None:
-    """Register `handler(channel)` for incoming streams named `name`; the channel is closed after it returns."""
+async def serve(p2p: P2P, name: str, stall: float, handler: Handler, access: Access | None = None) -> None:
+    """Register `handler(channel)` for incoming streams named `name`; the channel is closed after it returns.
+    Before a byte is read: a stream over its peer's caps (`limits.streams_of(p2p)`, shared by every handler
+    on `p2p`) or from a peer `access` refuses gets FAIL and is closed; its first frame must then be whole
+    within FIRST_FRAME_STALLS x `stall` (a trickler is charged an offense)."""
+    streams = streams_of(p2p)
 
     async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         channel = Channel(reader, writer, info.peer_id, stall)
+        over = streams.take(info.peer_id)
+        if over is not None:
+            if access is not None:
+                access.note("streams", info.peer_id, over)
+            await channel.fail(over)
+            return channel.close()
         try:
+            if access is not None and not access.admits(info.peer_id):
+                return await channel.refuse(access.refusal(info.peer_id))
+            channel.deadline = asyncio.get_running_loop().time() + FIRST_FRAME_STALLS * stall
             await handler(channel)
+        except Trickled as e:
+            if access is not None:
+                access.offense(info.peer_id, str(e))
+            logger.info(f"stream {name} from {info.peer_id}: {e}")
         except WireError as e:  # the peer left, stalled or misbehaved: its stream ends here, nothing else does
             logger.info(f"stream {name} from {info.peer_id}: {e}")
         except asyncio.CancelledError:  # this peer is shutting down; the stream ends with it
             pass
         finally:
+            streams.release(info.peer_id)
             channel.close()
 
     await p2p.add_binary_stream_handler(name, on_stream)

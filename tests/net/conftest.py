@@ -15,14 +15,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from peers.forkserver import ForkServer
 from swarm.config import SwarmConfig
+from swarm.net.allreduce import AllReduceHooks
 from swarm.net.dht import start_dht, visible_maddrs
 
 REPO = Path(__file__).resolve().parents[2]
 PEER_SCRIPT = Path(__file__).with_name("peer_proc.py")
 
-FAST = dict(matchmaking_time=2.0, request_timeout=1.0, stall_timeout=5.0, bootstrap_timeout=10.0,
-            progress_expiration=30.0, target_group_size=3)
+FAST = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], matchmaking_time=2.0, request_timeout=1.0, stall_timeout=5.0,
+            bootstrap_timeout=10.0, progress_expiration=30.0, target_group_size=3,
+            # the plain sample-weighted mean, which these tests check results against; a test of a bounded-influence
+            # rule sets it (the defaults bound influence: tests/net/test_robust*.py, tests/test_config.py)
+            max_weight_share=1.0, clip_norm_ratio=0.0, aggregation="mean")
 
 
 def fast_cfg(**overrides) -> SwarmConfig:
@@ -48,6 +53,13 @@ class GroupResult:
     residual: object = None
 
 
+class SkipsOwnCheck(AllReduceHooks):
+    """A hostile member that sends its contribution without checking that it is finite: the owners must refuse it."""
+
+    def checks_own(self) -> bool:
+        return False
+
+
 def run_group(dhts, vectors, weights, *, codec="none", stall=10.0, skip=(), group_id=b"g", chunk_elements=None,
               residual=False, shapes=None, abandon=(), rule=None, hooks=None, clients=()):
     """One in-process all-reduce among `dhts` of flat fp32 `vectors` (one tensor each, or cut into `shapes`);
@@ -60,9 +72,10 @@ def run_group(dhts, vectors, weights, *, codec="none", stall=10.0, skip=(), grou
     import concurrent.futures
 
     from swarm.net.allreduce import AllReduce
+    from swarm.net.allreduce.groupstate import Contribution
+    from swarm.net.allreduce.layout import CHUNK_ELEMENTS, WireLayout
     from swarm.net.codec import get_codec
-    from swarm.net.groupstate import Contribution
-    from swarm.net.layout import CHUNK_ELEMENTS, WireLayout
+    from swarm.net.identity import owner_key
 
     shapes = shapes or [torch.Size([vectors[0].numel()])]
 
@@ -72,7 +85,8 @@ def run_group(dhts, vectors, weights, *, codec="none", stall=10.0, skip=(), grou
     async def main():
         p2ps = [await dht.replicate_p2p() for dht in dhts]
         pool = concurrent.futures.ThreadPoolExecutor(2)
-        services = [AllReduce(p2p, "unit", stall, 1e6, pool, rule) for p2p in p2ps]
+        services = [AllReduce(p2p, "unit", stall, 1e6, pool, rule, identity=dht.identity) for p2p, dht in zip(p2ps, dhts)]
+        keys = [owner_key(dht.identity.owner) for dht in dhts]  # as their signed metas carry them
         for i, hook in (hooks or {}).items():
             for name, fn in hook.items():
                 setattr(services[i], name, fn)
@@ -86,7 +100,8 @@ def run_group(dhts, vectors, weights, *, codec="none", stall=10.0, skip=(), grou
             parts = [p.reshape(s) for p, s in zip(split(vector), shapes)]
             kept = [torch.zeros(s) for s in shapes] if residual else None
             read = lambda i, a, b: parts[i].reshape(-1)[a:b].clone()  # noqa: E731
-            traffic = await service.run(group_id, members, layout, Contribution(read, weight, out, kept), weights)
+            traffic = await service.run(group_id, members, layout, Contribution(read, weight, out, kept), weights,
+                                        keys)
             flat = lambda ts: torch.cat([t.reshape(-1) for t in ts])  # noqa: E731
             return GroupResult(flat(out), traffic, flat(kept) if kept is not None else None)
 
@@ -146,8 +161,8 @@ def stock_bootstrap():
 class Peers:
     """Launch peer_proc.py children; `go()` releases them together; every child is reaped at the end."""
 
-    def __init__(self, tmp: Path):
-        self.tmp, self.procs, self.jobs = tmp, [], []
+    def __init__(self, tmp: Path, server: ForkServer):
+        self.tmp, self.server, self.procs, self.jobs = tmp, server, [], []
 
     def start(self, name: str, initial_peers: list[str], *, seed: int, samples: int, numel: int,
               mode: str = "honest", round: int = 0, fingerprint: str = "fp-test", base: str = "", **cfg) -> dict:
@@ -155,12 +170,9 @@ class Peers:
                    fingerprint=fingerprint, cfg={**FAST, "initial_peers": initial_peers, **cfg},
                    ready=str(self.tmp / f"{name}.ready"), go=str(self.tmp / "go"),
                    out=str(self.tmp / f"{name}.pt"), marker=str(self.tmp / f"{name}.marker"))
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        log = open(self.tmp / f"{name}.log", "w")
-        # own process group: cleanup also reaches the peer's DHT, averager and p2pd children
-        self.procs.append(subprocess.Popen([sys.executable, str(PEER_SCRIPT), json.dumps(job)], cwd=REPO,
-                                           env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        log.close()
+        # forked in a session of its own: cleanup also reaches the peer's DHT, averager and p2pd children
+        self.procs.append(self.server.spawn([json.dumps(job)], self.tmp / f"{name}.log", script=PEER_SCRIPT,
+                                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}))
         self.jobs.append(job)
         return job
 
@@ -211,8 +223,8 @@ class Peers:
 
 
 @pytest.fixture
-def peers(tmp_path):
-    launcher = Peers(tmp_path)
+def peers(tmp_path, fork_server):
+    launcher = Peers(tmp_path, fork_server)
     try:
         yield launcher
     finally:

@@ -24,9 +24,8 @@ import torch
 from swarm.averaging import Snapshot
 from swarm.config import SwarmConfig
 from swarm.diloco import PseudoGradient
-from swarm.net import allreduce
 from swarm.net.dht import start_dht
-from swarm.net.hostile import Attacker
+from swarm.net.hostile import Attacker, Hooks
 from swarm.net.identity import load_identity
 from swarm.net.peer import SwarmAverager
 
@@ -41,39 +40,56 @@ def as_pseudo_gradient(tensors: list[torch.Tensor]) -> PseudoGradient:
     return PseudoGradient(tensors, [torch.zeros_like(t) for t in tensors])
 
 
+class SkipsOwnCheck(Hooks):
+    """"nan": sends its contribution without checking that it is finite."""
+
+    def __init__(self, job: dict):
+        pass
+
+    def checks_own(self) -> bool:
+        return False
+
+
+class PushesToOneOwner(Hooks):
+    """"victim": the first owner gets our chunks, the others never do; marks that it got there, then hangs."""
+
+    def __init__(self, job: dict):
+        self.marker, self.pushed = job["marker"], []
+
+    async def push(self, group, j, channel, push):
+        if not self.pushed:
+            self.pushed.append(j)
+            return await push(None)
+        Path(self.marker).touch()
+        await asyncio.sleep(3600)
+
+
+class TakesResultsLate(Hooks):
+    """"slow_fetch": takes every part's averages 2 s late."""
+
+    def __init__(self, job: dict):
+        pass
+
+    async def taking_results(self, group, j):
+        await asyncio.sleep(2.0)
+
+
+MODES = {"nan": SkipsOwnCheck, "victim": PushesToOneOwner, "slow_fetch": TakesResultsLate}
+
+
 def main(job: dict) -> None:
     cfg = SwarmConfig(**job["cfg"])
     identity = load_identity(None)
     dht = start_dht(cfg, identity, fingerprint=job["fingerprint"])
     averager = SwarmAverager(cfg, dht, identity, job["fingerprint"], job["name"])
     try:
-        if job["mode"] == "nan":  # skip our own check: the owners must refuse it
-            def encode_unchecked(self, group, chunk):
-                values = allreduce.gather(group.mine.read, chunk)
-                return group.layout.codec_of(chunk).encode(values)
-            allreduce.AllReduce._encode_mine = encode_unchecked
-        if job["mode"] == "victim":
-            push, pushed = allreduce.AllReduce._push, []
-
-            async def push_one_then_hang(self, group, j, channel):
-                if not pushed:  # the first owner gets our chunks, the others never do
-                    pushed.append(j)
-                    return await push(self, group, j, channel)
-                Path(job["marker"]).touch()
-                await asyncio.sleep(3600)
-            allreduce.AllReduce._push = push_one_then_hang
-        if job["mode"] == "slow_fetch":  # takes the others' parts late, after they may have left
-            take = allreduce.AllReduce._take_results
-
-            async def late_take(self, group, j, channel):
-                await asyncio.sleep(2.0)
-                return await take(self, group, j, channel)
-            allreduce.AllReduce._take_results = late_take
+        if job["mode"] in MODES:
+            averager.allreduce.hooks = MODES[job["mode"]](job)
         if job["mode"] == "wrong_owner":  # adds 1 to every average it returns for its part (hostile.py)
-            averager._allreduce.hooks = Attacker(["bad-part"])
+            averager.allreduce.hooks = Attacker(["bad-part"])
         if job["mode"] == "heavy":  # claims 1e18 samples in matchmaking and as its weight (hostile.py)
             averager.hooks = Attacker(["weight"])
-        run = averager._allreduce.run
+        run = averager.allreduce.run
         timings = []
 
         async def timed_run(*args):
@@ -82,7 +98,7 @@ def main(job: dict) -> None:
                 return await run(*args)
             finally:
                 timings.append(time.perf_counter() - start)
-        averager._allreduce.run = timed_run
+        averager.allreduce.run = timed_run
 
         grad = make_vector(job["seed"], job["numel"])
         if job["mode"] == "nan":

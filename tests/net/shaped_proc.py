@@ -19,11 +19,11 @@ import torch
 
 from swarm.config import SwarmConfig
 from swarm.net.allreduce import AllReduce
+from swarm.net.allreduce.groupstate import Contribution
+from swarm.net.allreduce.layout import WireLayout
 from swarm.net.budget import chunk_elements
 from swarm.net.codec import get_codec
 from swarm.net.dht import start_dht, visible_maddrs
-from swarm.net.groupstate import Contribution
-from swarm.net.layout import WireLayout
 
 
 async def average(dht, job: dict, folder: Path) -> dict:

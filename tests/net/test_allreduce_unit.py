@@ -9,10 +9,11 @@ import pytest
 import torch
 from conftest import run_group, three_dhts
 
-from swarm.net import allreduce, groupstate
+from swarm.net.allreduce import AllReduceHooks, groupstate
+from swarm.net.allreduce.groupstate import AllReduceFailed
+from swarm.net.allreduce.layout import WireLayout, part_bounds
 from swarm.net.codec import FP32_BELOW, get_codec
-from swarm.net.groupstate import AllReduceFailed
-from swarm.net.layout import WireLayout, part_bounds
+from swarm.net.wire import Kind, WireError
 
 
 @pytest.fixture
@@ -93,63 +94,48 @@ def test_a_member_that_leaves_the_group_is_not_waited_for(dhts):
 
 
 @pytest.mark.timeout(30)
-def test_a_member_pushing_more_than_its_part_is_refused(dhts, monkeypatch, caplog):
+def test_a_member_pushing_more_than_its_part_is_refused(dhts, caplog):
     """Member 2 sends one chunk more to every owner than the layout gives it: each owner names it."""
-    push = allreduce.AllReduce._push
-
-    async def push_extra(self, group, j, channel):
-        await push(self, group, j, channel)
-        if group.me == 2:
-            await channel.send(allreduce.Kind.CHUNK, b"\0" * 16)
-    monkeypatch.setattr(allreduce.AllReduce, "_push", push_extra)
+    class PushesMore(AllReduceHooks):
+        async def push(self, group, j, channel, push):
+            await push(None)
+            await channel.send(Kind.CHUNK, b"\0" * 16)
     with caplog.at_level(logging.WARNING, logger="swarm.net.allreduce"):
         members, results = run_group(dhts, [torch.randn(3000) for _ in range(3)], [1.0] * 3, group_id=b"more",
-                                     stall=3.0)
+                                     stall=3.0, hooks={2: {"hooks": PushesMore()}})
     assert "sent more than its part" in caplog.text and str(members[2]) in caplog.text, (results, caplog.text)
 
 
 @pytest.mark.timeout(30)
-def test_a_member_pushing_less_than_its_part_fails_the_part(dhts, monkeypatch, caplog):
+def test_a_member_pushing_less_than_its_part_fails_the_part(dhts, caplog):
     """Member 1 closes its streams after the first chunk: the owners fail their parts naming it."""
-    async def push_one(self, group, j, channel):
-        if group.me != 1:
-            return await original(self, group, j, channel)
-        await channel.send(allreduce.Kind.CHUNK, self._encode_mine(group, group.chunks[j][0]))
-        channel.close()
-    original = allreduce.AllReduce._push
-    monkeypatch.setattr(allreduce.AllReduce, "_push", push_one)
+    class PushesOne(AllReduceHooks):
+        async def push(self, group, j, channel, push):
+            await push(1)
+            channel.close()
     with caplog.at_level(logging.WARNING, logger="swarm.net.allreduce"):
         members, results = run_group(dhts, [torch.randn(6000) for _ in range(3)], [1.0] * 3, group_id=b"less",
-                                     stall=3.0, chunk_elements=512)
+                                     stall=3.0, chunk_elements=512, hooks={1: {"hooks": PushesOne()}})
     assert isinstance(results[0], AllReduceFailed) and isinstance(results[2], AllReduceFailed), results
     assert f"rejected the contribution of {members[1]}" in caplog.text
 
 
 @pytest.mark.timeout(40)
-def test_a_lost_owner_s_part_comes_from_a_groupmate(dhts, monkeypatch, caplog):
+def test_a_lost_owner_s_part_comes_from_a_groupmate(dhts, caplog):
     """Owner 0 has every contribution and serves its part's averages to member 1, but its stream to member 2
     breaks before the last chunk, as when it dies: member 2 takes the rest of part 0 from member 1, and all
     three end with the same bytes."""
-    send = allreduce.AllReduce._send_results
-
-    async def serve_one(self, group, i, channel):
-        if group.me == 0 and i == 2:
+    class LosesMember2(AllReduceHooks):
+        async def sending_result(self, group, i, k, channel):
             last = len(group.chunks[0]) - 1
-            send_chunk = channel.send
-
-            async def send_but_last(kind, payload=b""):
-                if group.delivered[2] == last:
-                    await group.wait_for(lambda: group.have[0] == last + 1, None, "part 0")
-                    channel.close()
-                    raise allreduce.WireError("the owner died")
-                await send_chunk(kind, payload)
-            channel.send = send_but_last
-        await send(self, group, i, channel)
-    monkeypatch.setattr(allreduce.AllReduce, "_send_results", serve_one)
+            if i == 2 and k == last:
+                await group.wait_for(lambda: group.have[0] == last + 1, None, "part 0")
+                channel.close()
+                raise WireError("the owner died")
     vectors = [torch.randn(30_000) for _ in range(3)]
     with caplog.at_level(logging.INFO, logger="swarm.net.allreduce"):
         members, results = run_group(dhts, vectors, [1.0, 2.0, 3.0], group_id=b"repair", stall=3.0,
-                                     chunk_elements=2048)
+                                     chunk_elements=2048, hooks={0: {"hooks": LosesMember2()}})
     assert all(not isinstance(r, BaseException) for r in results), results
     assert f"part 0 repaired from {members[1]}" in caplog.text
     expected = (vectors[0] + 2 * vectors[1] + 3 * vectors[2]) / 6
@@ -159,23 +145,20 @@ def test_a_lost_owner_s_part_comes_from_a_groupmate(dhts, monkeypatch, caplog):
 
 
 @pytest.mark.timeout(30)
-def test_memory_stays_bounded_by_the_window(dhts, monkeypatch):
+def test_memory_stays_bounded_by_the_window(dhts):
     """An owner never holds more than WINDOW chunks of contributions from its members, however fast they push."""
     peak = []
-    reduce_own = allreduce.AllReduce._reduce_own
 
-    async def watch(self, group):
-        async def sample():
-            while True:
-                peak.append(len(group.pending))
-                await asyncio.sleep(0)
-        task = asyncio.ensure_future(sample())
-        try:
-            await reduce_own(self, group)
-        finally:
-            task.cancel()
-    monkeypatch.setattr(allreduce.AllReduce, "_reduce_own", watch)
+    class Watches(AllReduceHooks):  # samples how many chunks each owner holds, until its group is done
+        sampling = []
+
+        def started(self, group):
+            async def sample():
+                while group.failure is None and not group.complete():
+                    peak.append(len(group.pending))
+                    await asyncio.sleep(0.001)  # a poll, not a spin: a spinning sampler starves the loop it watches
+            self.sampling.append(asyncio.ensure_future(sample()))
     _, results = run_group(dhts, [torch.randn(200_000) for _ in range(3)], [1.0] * 3, group_id=b"window",
-                           chunk_elements=1024)
+                           chunk_elements=1024, hooks={i: {"hooks": Watches()} for i in range(3)})
     assert all(not isinstance(r, BaseException) for r in results), results
     assert 0 < max(peak) <= groupstate.WINDOW + 1

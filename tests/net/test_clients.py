@@ -2,7 +2,6 @@
 and they end with the same average as everyone else. The real thing behind a NAT: test_nat.py."""
 
 import concurrent.futures
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -12,11 +11,15 @@ from hivemind.p2p import PeerID
 
 from swarm.config import SwarmConfig
 from swarm.net import grouping, schema
+from swarm.net.access import Access
+from swarm.net.allreduce import agree
+from swarm.net.allreduce.groupstate import AllReduceFailed
+from swarm.net.allreduce.layout import WireLayout
 from swarm.net.codec import get_codec
-from swarm.net.groupstate import AllReduceFailed
-from swarm.net.layout import WireLayout
-from swarm.net.matchmaking import Group, GroupMeta, _fits, misfit
+from swarm.net.hostile import Hooks
+from swarm.net.matchmaking import Group, GroupMeta, fits, misfit
 from swarm.net.peer import SwarmAverager
+from swarm.net.records import Records
 
 
 def peer(i: int) -> PeerID:
@@ -59,14 +62,18 @@ def test_clients_come_from_the_metas_and_are_never_dialed():
 def test_the_client_flag_in_matchmaking_metadata_is_a_strict_bool():
     meta = dict(round=0, nonce="0" * 16, token=2.0)
     assert GroupMeta.parse_obj(meta).client is False
-    assert _fits(dict(meta, client=True)) and not _fits(dict(meta, client=1)) and not _fits(dict(meta, client="true"))
+    assert fits(dict(meta, client=True)) and not fits(dict(meta, client=1)) and not fits(dict(meta, client="true"))
 
 
 def test_a_client_in_a_run_that_audits_is_refused():
-    metas = [GroupMeta(round=4, nonce="0" * 16, token=2.0), GroupMeta(round=4, nonce="1" * 16, token=2.0, client=True)]
-    assert misfit(4, metas, verify_parts=False) is None
-    assert "claims to be a client" in misfit(4, metas, verify_parts=True)
-    assert "another round" in misfit(5, metas, verify_parts=False)
+    metas = {"a": GroupMeta(round=4, nonce="0" * 16, token=2.0),
+             "b": GroupMeta(round=4, nonce="1" * 16, token=2.0, client=True)}
+    assert misfit(4, metas, metas["a"], verify_parts=False) is None
+    assert misfit(4, metas, metas["a"], verify_parts=True) == ("round 4: b claims to be a client, which cannot "
+                                                               "answer the audits of swarm.verify_parts", ["b"])
+    assert "another round" in misfit(5, metas, metas["a"], verify_parts=False)[0]
+    other = dict(metas, c=GroupMeta(round=4, nonce="2" * 16, token=2.0, numel=7))
+    assert misfit(4, other, metas["a"], verify_parts=False)[1] == ["c"]  # the one whose signed size differs
 
 
 @pytest.mark.timeout(60)
@@ -91,17 +98,19 @@ def test_a_client_takes_part_owns_nothing_and_ends_with_the_same_average():
         assert not isinstance(r, BaseException), r
         assert torch.equal(r.tensor, results[0].tensor)
         assert torch.allclose(r.tensor, expected, atol=1e-6)
-    # owners own 2500 elements each: the client sends 2 x 10 kB and receives as much, nothing else
+    # owners own 2500 elements each: the client sends 2 x 10 kB and receives as much, nothing else but the
+    # agreement's digests (allreduce/agree.py)
     layout = WireLayout([torch.Size([5_000])], get_codec("none"), 3, 1024, clients={1})
     assert layout.member_wire_bytes(1) == 2 * 2_500 * 4
     client, owner = results[1].traffic, results[0].traffic
-    assert 2 * 2_500 * 4 <= client.sent < 2 * 2_500 * 4 * 1.05 and client.received >= 2 * 2_500 * 4
+    assert 2 * 2_500 * 4 <= client.sent < 2 * 2_500 * 4 * 1.05 + agree.wire_bytes(3)
+    assert client.received >= 2 * 2_500 * 4
     assert owner.sent >= layout.member_wire_bytes(0)
 
 
 @pytest.mark.timeout(60)
 def test_verify_parts_refuses_a_group_with_a_client():
-    from swarm.net.robust import Rule
+    from swarm.net.allreduce.robust import Rule
 
     with three_dhts() as dhts:
         _, results = run_group(dhts, [torch.randn(100) for _ in range(3)], [1.0, 1.0, 1.0], clients=(2,),
@@ -125,18 +134,16 @@ def test_a_client_records_its_commits_but_never_serves_its_state(client):
     """offer_state returns at once; the commit is recorded (by the heartbeat, or before the last progress
     record at the latest), and only then served, by a peer that is not a client."""
     published = []
-    averager = object.__new__(SwarmAverager)
-    vars(averager).update(cfg=SwarmConfig(client_mode=client, linger_time=0.0), peer_name="home", _owner=b"o",
-                          _dht_lock=threading.Lock(), dht=_DHT(), _server=SimpleNamespace(snapshot=None),
-                          _committed="", _commit_lock=threading.Lock(), _offered=None, _pending_commit=None,
-                          _progress_due=threading.Event(), _stopping=threading.Event(), _storing=set(),
-                          peers=lambda: [],
+    cfg, dht = SwarmConfig(client_mode=client, linger_time=0.0), _DHT()
+    records = Records(cfg, dht, "me", "home", b"o", Access(), Hooks(), SimpleNamespace(snapshot=None))
+    averager = object.__new__(SwarmAverager)  # its records and a stand-in for its publish_progress, no network
+    vars(averager).update(cfg=cfg, peer_id="me", records=records,
                           publish_progress=lambda *a, **k: published.append(k["sha256"]))
     snapshot = SimpleNamespace(round=2, sha256="ab" * 32)
     averager.offer_state(snapshot)
-    assert averager.dht.stored == [] and averager._server.snapshot is None and averager._progress_due.is_set()
+    assert dht.stored == [] and records.serving is None and records.commit_pending
     averager.finish(2)
-    assert [(key, value["round"], value["sha256"]) for key, value in averager.dht.stored] == [
-        (schema.commits_key(averager.cfg.run_id), 2, "ab" * 32)]
-    assert averager._server.snapshot is (None if client else snapshot)  # `serves_state` is this, not None
+    assert [(key, value["round"], value["sha256"]) for key, value in dht.stored] == [
+        (schema.commits_key(cfg.run_id), 2, "ab" * 32)]
+    assert records.serving is (None if client else snapshot)  # `serves_state` is this, not None
     assert published == ["ab" * 32]  # its final record names the hash it committed

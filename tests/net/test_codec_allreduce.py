@@ -6,13 +6,13 @@ import logging
 
 import pytest
 import torch
-from conftest import run_group, three_dhts
+from conftest import SkipsOwnCheck, run_group, three_dhts
 from peer_proc import make_vector
 
-from swarm.net import allreduce
+from swarm.net.allreduce import agree
+from swarm.net.allreduce.groupstate import AllReduceFailed
+from swarm.net.allreduce.layout import WireLayout, gather, scatter
 from swarm.net.codec import FP32_BELOW, get_codec
-from swarm.net.groupstate import AllReduceFailed
-from swarm.net.layout import WireLayout
 
 # Bound on |result - exact weighted mean| per element, as a fraction of the largest |input| (one quantization
 # of each contribution, one of the result): int8 2/250, int4 2/14; fp16: of the largest |input| there.
@@ -47,19 +47,17 @@ def test_three_members_quantized_mean_within_bound_and_identical(dhts, codec):
     wire = {"none": 4, "fp16": 2, "int8": 1 + 4 / 64, "int4": 0.5 + 4 / 32}[codec]
     for r in results:
         for counted in (r.traffic.sent, r.traffic.received):
-            assert 4 / 3 * numel * wire <= counted <= 4 / 3 * numel * wire + 2000
+            assert 4 / 3 * numel * wire <= counted <= 4 / 3 * numel * wire + 2000 + agree.wire_bytes(3)
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("codec", ["int8", "int4"])
-def test_nan_contribution_fails_the_part_and_names_the_sender(dhts, codec, caplog, monkeypatch):
-    def encode_unchecked(self, group, chunk):  # a hostile member that skips its own finiteness check
-        return group.layout.codec_of(chunk).encode(allreduce.gather(group.mine.read, chunk))
-    monkeypatch.setattr(allreduce.AllReduce, "_encode_mine", encode_unchecked)
+def test_nan_contribution_fails_the_part_and_names_the_sender(dhts, codec, caplog):
     flats = [torch.randn(9000) for _ in range(3)]
     flats[1][100] = float("nan")
     with caplog.at_level(logging.WARNING, logger="swarm.net.allreduce"):
-        members, results = run_group(dhts, flats, [1.0, 1.0, 1.0], codec=codec, stall=3.0)
+        members, results = run_group(dhts, flats, [1.0, 1.0, 1.0], codec=codec, stall=3.0,
+                                     hooks={1: {"hooks": SkipsOwnCheck()}})
     assert isinstance(results[0], AllReduceFailed) and isinstance(results[2], AllReduceFailed), results
     assert isinstance(results[1], Exception)  # the hostile member cannot even decode its own share
     layout = WireLayout([torch.Size([9000])], get_codec(codec), 3)
@@ -75,8 +73,8 @@ def expected_residual(codec, tensors: list[torch.Tensor], layout: WireLayout) ->
         for chunk in layout.chunks(j):
             if chunk.exact:
                 continue
-            values = allreduce.gather(lambda i, a, b: tensors[i].reshape(-1)[a:b], chunk)
-            allreduce.scatter(out, chunk, values - codec.round_trip(values))
+            values = gather(lambda i, a, b: tensors[i].reshape(-1)[a:b], chunk)
+            scatter(out, chunk, values - codec.round_trip(values))
     return out
 
 
@@ -110,5 +108,5 @@ def test_swarm_averagers_int4_small_tensors_fp32_and_residual(bootstrap, peers):
         assert all(torch.equal(a, b) for a, b in zip(residual, expected_residual(codec, v, layout)))
         # our parts go out and results come back; our own part's result is served to the 2 groupmates as
         # they ask for it, which may be after average() returned, so `sent` has an exact upper bound only
-        assert min(per_member) <= o["bytes_received"] <= max(per_member) + 4000
-        assert 0 < o["bytes_sent"] <= max(per_member) + 4000
+        assert min(per_member) <= o["bytes_received"] <= max(per_member) + 4000 + agree.wire_bytes(3)
+        assert 0 < o["bytes_sent"] <= max(per_member) + 4000 + agree.wire_bytes(3)

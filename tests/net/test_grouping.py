@@ -5,7 +5,7 @@ from hivemind.p2p import PeerID
 
 from swarm.net import access, grouping
 from swarm.net.access import Access
-from swarm.net.groupstate import AllReduceFailed
+from swarm.net.allreduce.groupstate import AllReduceFailed
 from swarm.net.matchmaking import Group, NoGroup
 
 
@@ -50,7 +50,7 @@ def test_memory_of_offenders_is_bounded(monkeypatch):
     offenses = grouping.Offenses(Access())
     for i in range(10):
         offenses.record(peer(i), round=0, reason="x")
-    assert len(offenses.access._offenses) == 3
+    assert offenses.access.tracked == 3
 
 
 def test_strangers_to_a_private_swarm_are_left_out():

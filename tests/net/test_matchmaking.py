@@ -31,14 +31,14 @@ def test_one_group_one_order_and_a_tampered_barrier_is_a_phantom():
             assert sorted(m["samples"] for m in groups[0].metas) == [0, 1, 2]
 
             # What a member sees when hivemind's all-reduce missed a groupmate: its own token, not the mean.
-            step = makers[0]._averager.step
+            step = makers[0].averager.step
 
             def partial_step(*args, **kwargs):
-                gathered = step(*args, **kwargs)
-                with makers[0]._averager.get_tensors() as tensors:
-                    tensors[0].fill_(gathered[makers[0]._averager.peer_id]["token"])
-                return gathered
-            makers[0]._averager.step = partial_step
+                stepped = step(*args, **kwargs)
+                with makers[0].averager.get_tensors() as tensors:
+                    tensors[0].fill_(stepped["gathered"][makers[0].averager.peer_id]["token"])
+                return stepped
+            makers[0].averager.step = partial_step
             groups = form_groups(makers, round=5)
             assert isinstance(groups[0], NoGroup) and "phantom" in groups[0].reason and not groups[0].alone
             assert all(not isinstance(g, BaseException) for g in groups[1:]), groups
@@ -70,7 +70,7 @@ def test_garbage_metadata_is_refused_and_its_sender_banned():
     groupmates leave the group naming it, and after two such rounds never group with it again."""
     with three_dhts() as dhts:
         makers = [Matchmaker(fast_cfg(), dht, "fp") for dht in dhts]
-        evil = str(makers[2]._averager.peer_id)
+        evil = str(makers[2].averager.peer_id)
         try:
             for round in (6, 7):
                 with concurrent.futures.ThreadPoolExecutor(3) as pool:
@@ -114,3 +114,56 @@ def test_a_peer_alone_gets_one_line_not_a_traceback():
                             text=True, timeout=50, cwd=Path(__file__).parents[2])
     assert result.stdout.strip() == "alone", result.stderr[-2000:]
     assert "Traceback" not in result.stderr and "could not find a group" not in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_leader_that_forges_its_followers_metas_is_charged_never_the_followers():
+    """The `frame` attack: the only peer that can lead (the others are clients) hands its followers metas of
+    their groupmates that it forged (malformed). Each follower finds them unsigned by their members and
+    charges the leader, never the groupmate; after two rounds the leader is banned and no longer joined."""
+    from swarm.net.hostile import Attacker
+
+    with three_dhts() as dhts:
+        frame = Attacker(["frame"]).lead
+        makers = [Matchmaker(fast_cfg(client_mode=i > 0), dht, "fp", lead=frame if i == 0 else (lambda m: m))
+                  for i, dht in enumerate(dhts)]
+        evil = str(makers[0].averager.peer_id)
+        try:
+            for round in (1, 2):
+                results = form_groups(makers, round)[1:]
+                for got in results:
+                    assert isinstance(got, NoGroup) and got.culprits == (evil,), results
+                    assert f"the group from leader {evil} holds metadata its members did not sign" in got.reason
+            for maker in makers[1:]:
+                assert maker.access.banned == {evil}, maker.access.events
+                assert {e["peer_id"] for e in maker.access.events} == {evil}, maker.access.events
+            results = form_groups(makers, 3)[1:]  # nobody left to lead two clients: no group, nobody charged
+            assert all(isinstance(g, NoGroup) and not g.culprits for g in results), results
+        finally:
+            for m in makers:
+                m.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_meta_not_signed_by_its_member_is_refused_naming_its_sender():
+    """Peer 2 signs its metas with a key that is not its peer id's. An honest leader refuses its join request;
+    a group it leads is left by every follower, charging it (its own meta is not its own). Never a crash, and
+    never an honest peer charged."""
+    from swarm.net.identity import load_identity
+
+    with three_dhts() as dhts:
+        makers = [Matchmaker(fast_cfg(), dht, "fp", identity=load_identity(None) if i == 2 else None)
+                  for i, dht in enumerate(dhts)]
+        evil = str(makers[2].averager.peer_id)
+        try:
+            for round in (1, 2):
+                for got in form_groups(makers, round)[:2]:
+                    if isinstance(got, NoGroup):
+                        assert got.culprits in ((), (evil,)), got
+                    else:
+                        assert evil not in map(str, got.members) and len(got.members) == 2, got.members
+            for maker in makers[:2]:
+                assert {e["peer_id"] for e in maker.access.events} <= {evil}, maker.access.events
+        finally:
+            for m in makers:
+                m.close()

@@ -1,10 +1,10 @@
-"""The owner's reducers (swarm/net/robust.py): known inputs -> known outputs."""
+"""The owner's reducers (swarm/net/allreduce/robust.py): known inputs -> known outputs."""
 
 import pytest
 import torch
 
-from swarm.net import robust
-from swarm.net.robust import Rule, cap_weights, reduce_chunk, trim_count
+from swarm.net.allreduce import robust
+from swarm.net.allreduce.robust import Rule, cap_weights, reduce_chunk, trim_count
 
 
 def t(*values):

@@ -16,9 +16,9 @@ from swarm.diloco import DiLoCo, PseudoGradient
 from swarm.errors import SwarmError
 from swarm.net import schema, statesync
 from swarm.net.dht import start_dht
+from swarm.net.hostile import Hooks
 from swarm.net.identity import load_identity
 from swarm.net.peer import SwarmAverager
-from swarm.net.wire import Kind
 from swarm.state import destinations, shared_tensors
 
 CFG = dict(progress_interval=0.2, stall_timeout=2.0)
@@ -100,35 +100,32 @@ def test_a_newcomer_takes_the_committed_state_tensor_by_tensor(pair):
 def _download(newcomer: Peer, donor: Peer, check=lambda r, h: None) -> int:
     """One download straight from the donor, on the newcomer's network thread."""
     averager = newcomer.averager
-    coro = statesync.download(averager._p2p, donor.averager._p2p.peer_id, averager._state_handler, 2.0, 1e6,
-                              newcomer.intake(), check, averager._pool)
-    return averager._call(coro, 30).round
+    coro = statesync.download(averager.p2p, donor.averager.p2p.peer_id, averager.server.name, 2.0, 1e6,
+                              newcomer.intake(), check, averager.pool)
+    return averager.call(coro, 30).round
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("forgery", ["more bytes than the shape", "another shape", "another dtype",
                                      "bytes that do not hash", "a hash nobody committed"])
-def test_a_forged_state_is_refused_naming_why(pair, monkeypatch, forgery):
+def test_a_forged_state_is_refused_naming_why(pair, forgery):
     donor, newcomer = pair
     donor.train_rounds(2)
     donor.publish()
-    serve = statesync.StateServer._serve
 
-    async def forged(self, channel):
-        if forgery == "bytes that do not hash":
-            self.snapshot.tensors["global.0"].add_(1.0)  # changed after its hash was taken
-            return await serve(self, channel)
-        await channel.recv_control()
-        specs = [[n, "float32", list(t.shape), t.numel() * 4] for n, t in self.snapshot.tensors.items()]
-        if forgery == "more bytes than the shape":
-            specs[0][3] += 4
-        if forgery == "another shape":
-            specs[0][2] = [8, 2]
-        if forgery == "another dtype":
-            specs[0][1], specs[0][3] = "bfloat16", specs[0][3] // 2
-        await channel.send_control(Kind.MANIFEST, {"round": 2, "sha256": self.snapshot.sha256, "meta": {},
-                                                   "tensors": specs})
-    monkeypatch.setattr(statesync.StateServer, "_serve", forged)
+    class Forges(Hooks):
+        def manifest(self, manifest):
+            specs = manifest["tensors"]
+            if forgery == "more bytes than the shape":
+                specs[0][3] += 4
+            if forgery == "another shape":
+                specs[0][2] = [8, 2]
+            if forgery == "another dtype":
+                specs[0][1], specs[0][3] = "bfloat16", specs[0][3] // 2
+            return manifest
+    donor.averager.server.hooks = Forges()
+    if forgery == "bytes that do not hash":
+        donor.averager.records.serving.tensors["global.0"].add_(1.0)  # changed after its hash was taken
     check = (lambda r, h: "the swarm committed another hash") if forgery == "a hash nobody committed" else None
     with pytest.raises(statesync.StateRefused) as refused:
         _download(newcomer, donor, check or (lambda r, h: None))
@@ -144,7 +141,7 @@ def test_behind_with_no_donor_stops_naming_the_round_the_swarm_reached(pair):
     donor, newcomer = pair
     donor.train_rounds(4)
     donor.publish()
-    donor.averager._server.snapshot = None  # it stops serving, like a peer that has left
+    donor.averager.records.withdraw_state()  # it stops serving, like a peer that has left
     newcomer.publish()
     start = time.monotonic()
     with pytest.raises(SwarmError, match="the swarm reached round 4 .* this peer holds round 0"):
@@ -165,8 +162,8 @@ def test_alone_and_behind(pair):
     outcome = newcomer.averager.average(9, grad, 10, out, "e" * 64)  # nobody at round 9 or beyond: our own step
     assert outcome.note == "alone" and all(torch.equal(a, b) for a, b in zip(outcome.averaged, grad.tensors()))
     # Once it has averaged with others, a peer the records show alone does not wait in matchmaking for nobody.
-    newcomer.averager._averaged_once = True
-    newcomer.averager._matchmaker.form_group = lambda *args, **kwargs: pytest.fail("matchmaking while alone")
+    newcomer.averager.averaged_once = True
+    newcomer.averager.matchmaker.form_group = lambda *args, **kwargs: pytest.fail("matchmaking while alone")
     newcomer.averager.publish_progress(10, 0, 0, 0.0, sha256="f" * 64, wait=True)
     outcome = newcomer.averager.average(10, grad, 10, out, "f" * 64)
     assert outcome.note == "alone" and all(torch.equal(a, b) for a, b in zip(outcome.averaged, grad.tensors()))
@@ -204,7 +201,7 @@ def test_a_finished_peer_serves_its_state_until_peers_behind_caught_up(pair):
                                expiration_time=now + 30)
     finally:
         ghost_dht.shutdown()
-    assert "ghost" in [r.name for r in donor.averager.peers()]
+    assert "ghost" in [r.name for r in donor.averager.records.peers()]
     start = time.monotonic()
     donor.averager.finish(3)
     assert time.monotonic() - start < 3.0
@@ -218,7 +215,7 @@ def test_expected_group_counts_peers_not_yet_reported_at_the_round(pair):
     newcomer.averager.publish_progress(5, 0, 0, 0.0, wait=True)
     for donor_round, expected in ((5, 2), (4, 2), (3, 1)):
         donor.averager.publish_progress(donor_round, 0, 0, 0.0, wait=True)
-        assert newcomer.averager._assess(5, "", commits=False).expected_group == expected, donor_round
+        assert newcomer.averager.records.assess(5, "", commits=False).expected_group == expected, donor_round
 
 
 def test_state_names_and_the_intake_refuse_a_model_of_another_shape():
@@ -248,7 +245,7 @@ def test_a_peer_on_the_minority_s_parameters_takes_the_majority_s_state_at_once(
 
 
 @pytest.mark.timeout(60)
-def test_a_refused_state_is_logged_naming_the_donor_and_the_next_attempt_is_made(pair, monkeypatch, caplog):
+def test_a_refused_state_is_logged_naming_the_donor_and_the_next_attempt_is_made(pair, caplog):
     """The donor's first answer announces more bytes than its first tensor holds: refused with a line naming
     the donor; the newcomer tries again and takes the honest answer."""
     import logging
@@ -257,17 +254,16 @@ def test_a_refused_state_is_logged_naming_the_donor_and_the_next_attempt_is_made
     donor.train_rounds(2)
     donor.publish()
     newcomer.publish()
-    serve, forged = statesync.StateServer._serve, []
 
-    async def forge_once(self, channel):
-        if forged:
-            return await serve(self, channel)
-        forged.append(True)
-        await channel.recv_control()
-        specs = [[n, "float32", list(t.shape), t.numel() * 4 + 4] for n, t in self.snapshot.tensors.items()]
-        await channel.send_control(Kind.MANIFEST, {"round": 2, "sha256": self.snapshot.sha256, "meta": {},
-                                                   "tensors": specs})
-    monkeypatch.setattr(statesync.StateServer, "_serve", forge_once)
+    class ForgesOnce(Hooks):
+        forged = False
+
+        def manifest(self, manifest):
+            if not self.forged:
+                self.forged = True
+                manifest["tensors"][0][3] += 4
+            return manifest
+    donor.averager.server.hooks = ForgesOnce()
     with caplog.at_level(logging.WARNING, logger="swarm.net.peer"):
         assert newcomer.fetch().round == 2
     assert f"state from {donor.averager.peer_id} refused" in caplog.text and "bytes announced" in caplog.text

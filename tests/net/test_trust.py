@@ -9,7 +9,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from swarm.errors import SwarmError, UsageError
 from swarm.net import schema
 from swarm.net.dht import run_fingerprint, start_dht
-from swarm.net.identity import load_identity, owner_peer_id
+from swarm.net.identity import load_identity, owner_peer_id, with_work
 
 
 def _progress(peer_id: str, name: str, round: int = 3) -> dict:
@@ -86,14 +86,52 @@ def test_a_stranger_cannot_replace_the_run_fingerprint(bootstrap):
         evil_dht = start_dht(fast_cfg(initial_peers=bootstrap), evil)
         now = get_dht_time()
         evil_dht.store(schema.run_key("swarm-tiny"), schema.RunRecord(fingerprint="bbbb", time=now - 1e6).dict(),
-                       subkey=evil.owner, expiration_time=now + 1e6)
+                       subkey=evil.owner, expiration_time=now + 1e5)
         evil_dht.shutdown()
         start_dht(fast_cfg(initial_peers=bootstrap), fingerprint="aaaa").shutdown()  # still joins
-        with pytest.raises(SwarmError, match="fingerprint aaaa != bbbb"):
+        with pytest.raises(SwarmError, match="fingerprint bbbb, the run.s peers signed aaaa"):
             start_dht(fast_cfg(initial_peers=bootstrap), fingerprint="bbbb")
     finally:
         second.shutdown()
         first.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_sybil_identities_outvote_the_run_for_a_newcomer_unless_each_vote_costs_work(bootstrap):
+    """The `sybil` attack (hostile.py) through real DHT nodes: 3 minted identities sign a forged fingerprint and
+    manifest (outer.lr x 10). In an open run without identity_work a newcomer refuses to join (its own, honest
+    fingerprint is outvoted) and the manifest read is the forged one; in a run with identity_work the same free
+    identities are not counted and the newcomer joins."""
+    from dataclasses import replace
+
+    from swarm.config import Config, shared_config
+    from swarm.net.hostile import sybil_attack
+    from swarm.net.manifest import choose_manifest, publish, read_manifests
+    from swarm.runid import RunIdentity
+
+    evil_dht = start_dht(fast_cfg(initial_peers=bootstrap))
+    try:
+        for run_id, bits in (("open-run", 0), ("paid-run", 8)):
+            cfg = Config(swarm=fast_cfg(initial_peers=bootstrap, run_id=run_id, identity_work=bits))
+            honest, run = with_work(load_identity(None), bits), RunIdentity(shared_config(cfg), "c" * 64)
+            honest_dht = start_dht(cfg.swarm, honest, run=run)
+            try:
+                publish(honest_dht, cfg, run, honest, params=1)
+                done = sybil_attack(evil_dht, replace(cfg.swarm, identity_work=0), budget_s=30, count=3)
+                assert done["identities"] == 3
+                fingerprint, manifests = read_manifests(honest_dht, run_id, 5.0, bits)
+                chosen = choose_manifest(run_id, manifests, fingerprint).config
+                if bits == 0:
+                    assert fingerprint == done["fingerprint"] and chosen.outer.lr == 10 * cfg.outer.lr
+                    with pytest.raises(SwarmError, match="refusing to join run 'open-run'"):
+                        start_dht(cfg.swarm, run=run)
+                else:
+                    assert fingerprint == run.fingerprint and chosen.outer.lr == cfg.outer.lr
+                    start_dht(cfg.swarm, run=run).shutdown()  # joins
+            finally:
+                honest_dht.shutdown()
+    finally:
+        evil_dht.shutdown()
 
 
 def test_identity_files_bad_input(tmp_path):
@@ -171,7 +209,7 @@ def test_one_peer_cannot_fill_the_pending_groups_of_another():
     """A flood of streams naming made-up groups from one peer takes at most MAX_PENDING_PER_PEER slots."""
     import asyncio
 
-    from swarm.net import slots
+    from swarm.net.allreduce import slots
 
     async def check(p2ps):
         answers = await asyncio.gather(*[_hello(p2ps[1], p2ps[0].peer_id, bytes([i]) * 16) for i in range(8)])

@@ -6,7 +6,7 @@ always travel in fp32 (`codec.FP32_BELOW`; none for a lossless codec). It is cut
 per *owner*, in member order: every member but the clients (`swarm.client_mode`: peers that cannot be
 dialed, e.g. behind a NAT) owns one; a client's part is empty, so nobody ever opens a stream to it (it
 pushes its contributions to the owners and takes the averages back on the streams it opened). Every part
-is cut into chunks of at most `CHUNK_ELEMENTS`, cut again where the quantized region ends. A chunk is the
+is cut into chunks of at most `budget.CHUNK_ELEMENTS`, cut again where the quantized region ends. A chunk is the
 unit of everything that moves: read from the model's tensors, encoded, sent, reduced, sent back, decoded
 and written into the output tensors, one chunk at a time.
 
@@ -23,11 +23,9 @@ from typing import Callable, Collection, Sequence
 
 import torch
 
-from swarm.net.codec import EXACT, FP32_BELOW, Codec
-
-CHUNK_ELEMENTS = 2**18
-"""1 MiB of fp32 per chunk: small enough that a few in flight per stream stay cheap, large enough that the
-per-frame cost of Python and p2pd is amortized (measured: bench/allreduce.py)."""
+from swarm.net.budget import CHUNK_ELEMENTS
+from swarm.net.codec import EXACT, FP32_BELOW, Codec, CodecError
+from swarm.tensors import all_finite
 
 
 def part_bounds(numel: int, n: int) -> list[tuple[int, int]]:
@@ -132,3 +130,11 @@ def scatter(tensors: Sequence[torch.Tensor], chunk: Chunk, values: torch.Tensor)
         n = s.end - s.start
         tensors[s.tensor].detach().view(-1)[s.start:s.end].copy_(values[offset:offset + n])
         offset += n
+
+
+def decode_into(out: Sequence[torch.Tensor], chunk: Chunk, codec: Codec, payload: bytes | bytearray) -> None:
+    """Decode an average of `chunk` into `out`; CodecError if it is not finite (nothing is written then)."""
+    values = codec.decode(payload, chunk.numel)
+    if not all_finite(values):
+        raise CodecError("the average is not finite")
+    scatter(out, chunk, values)

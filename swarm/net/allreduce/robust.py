@@ -12,7 +12,8 @@ there too:
   depend on the vector width) are rounded to 7 significant digits (`stable`) before they are used, so a
   difference in their last bits almost never changes what follows.
 
-The steps, each one off by default (`SwarmConfig`: max_weight_share, clip_norm_ratio, aggregation):
+The steps (`SwarmConfig`: max_weight_share, clip_norm_ratio, aggregation; on by default at 0.5, 4 and
+trimmed_mean, each can be turned off, and a `Rule()` made here without arguments is the plain mean):
 
 1. `cap_weights` (once per group, from the weights every member agreed on in matchmaking): no member's
    share of the total weight exceeds `max_weight_share` (water-filling). A member claiming a weight of

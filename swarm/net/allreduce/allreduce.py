@@ -18,6 +18,9 @@ by chunk, so a member holds a few chunks at a time, never a vector:
    member serves any part it holds to a groupmate that lost that part's owner (`repair.py`): an owner that
    died after serving some members no longer splits the group into committers and discarders. With
    `verify_parts`, members check the owners first, and DONE means "my audit passed" (`audit.py`).
+5. With the members' keys (every peer's signed meta), owners sign a digest of the result they sent each member,
+   members' DONEs carry those digests, and a member returns only once every owner found them alike: one result
+   per part (`agree.py`), whatever an owner sends whom.
 
 CPU work (reading, encoding, reducing, decoding, writing) runs in a thread pool; the event loop only moves
 bytes. A part either has all n contributions or it fails: `run()` then raises `AllReduceFailed` on every
@@ -30,24 +33,34 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import logging
 import math
-from collections import Counter
 from typing import Callable, Optional, Sequence
 
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from swarm.net import audit
 from swarm.net.access import Access
+from swarm.net.allreduce import agree, audit
+from swarm.net.allreduce.groupstate import (
+    PROOF,
+    SEEN,
+    TOLD,
+    AllReduceFailed,
+    Contribution,
+    GroupState,
+    check_weights,
+    together,
+)
+from swarm.net.allreduce.hooks import AllReduceHooks
+from swarm.net.allreduce.layout import Chunk, WireLayout, decode_into, gather, scatter
+from swarm.net.allreduce.repair import repair, serve_repair
+from swarm.net.allreduce.robust import Rule, reduce_chunk
+from swarm.net.allreduce.slots import GroupSlots
 from swarm.net.budget import transfer_deadline
 from swarm.net.codec import CodecError
-from swarm.net.groupstate import AllReduceFailed, Contribution, GroupState, check_weights, together
-from swarm.net.hostile import Hooks
-from swarm.net.layout import Chunk, WireLayout, gather, scatter
-from swarm.net.repair import repair, serve_repair
-from swarm.net.robust import Rule, reduce_chunk
-from swarm.net.slots import GroupSlots
+from swarm.net.identity import Identity
 from swarm.net.wire import Channel, Kind, PeerFailed, ProtocolError, Traffic, WireError, serve
 from swarm.tensors import all_finite
 
@@ -58,21 +71,20 @@ class AllReduce(GroupSlots):
 
     def __init__(self, p2p: P2P, name: str, stall: float, min_bandwidth: float,
                  pool: concurrent.futures.Executor, rule: Optional[Rule] = None, access: Optional[Access] = None,
-                 hooks: Optional[Hooks] = None):
-        self.p2p, self.name, self.stall, self.min_bandwidth, self.pool = p2p, name, stall, min_bandwidth, pool
-        self.rule, self.access, self.hooks = rule or Rule(), access or Access(), hooks or Hooks()
-        self._opened: Counter[PeerID] = Counter()  # unknown groups each peer is waiting for here
+                 hooks: Optional[AllReduceHooks] = None, identity: Optional[Identity] = None):
+        """`identity`: our key, to sign our part's digests (agree.py: one result per part); None: no agreement."""
+        super().__init__(p2p, name, stall, pool, access or Access())
+        self.identity = identity
+        self.min_bandwidth, self.rule, self.hooks = min_bandwidth, rule or Rule(), hooks or AllReduceHooks()
         # fault injection from outside (`faults.kill_phase`): after a part was pushed
         self.on_pushed: Optional[Callable[[], None]] = None
-        self._groups: dict[bytes, asyncio.Future[GroupState]] = {}
-        self._serving: set[asyncio.Task] = set()
-        self._abandoned: dict[bytes, tuple[PeerID, str]] = {}  # groups a member left before we ran them
-        self.failed: dict[bytes, GroupState] = {}  # verify_parts: failed groups, `stall` s for audits (audit.py)
 
     async def start(self) -> None:
-        await serve(self.p2p, self.name, self.stall, self._serve_contributions)
-        await serve(self.p2p, f"{self.name}_repair", self.stall, lambda channel: serve_repair(self, channel))
-        await serve(self.p2p, f"{self.name}_audit", self.stall, lambda channel: audit.serve_audit(self, channel))
+        await serve(self.p2p, self.name, self.stall, self._serve_contributions, self.access)
+        await serve(self.p2p, f"{self.name}_repair", self.stall, lambda channel: serve_repair(self, channel),
+                    self.access)
+        await serve(self.p2p, f"{self.name}_audit", self.stall, lambda channel: audit.serve_audit(self, channel),
+                    self.access)
 
     async def stop(self) -> None:
         for name in (self.name, f"{self.name}_repair", f"{self.name}_audit"):
@@ -82,17 +94,17 @@ class AllReduce(GroupSlots):
         """How long one all-reduce may take: its bytes (and the audit's) at swarm.min_bandwidth, plus stall."""
         chunk = layout.codec.wire_bytes(layout.chunk_elements)
         extra = audit.audit_bytes(layout.members, chunk) if self.rule.verify else 0
+        extra += agree.wire_bytes(layout.members) if self.identity is not None else 0
         return transfer_deadline(layout.member_wire_bytes(me) + extra, self.stall, self.min_bandwidth)
-
-    def _cpu(self, fn, *args):
-        return asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     # ---- a member's run ---------------------------------------------------------------------------------
 
     async def run(self, group_id: bytes, members: Sequence[PeerID], layout: WireLayout,
-                  contribution: Contribution, weights: Sequence[object]) -> Traffic:
+                  contribution: Contribution, weights: Sequence[object],
+                  keys: Optional[Sequence[bytes]] = None) -> Traffic:
         """Average `contribution` among `members` into `contribution.out`; AllReduceFailed otherwise.
-        `weights`: every member's, as all members agreed (matchmaking); ours is `contribution.weight`."""
+        `weights`: every member's, as all members agreed (matchmaking); ours is `contribution.weight`.
+        `keys`: every member's public key (its signed meta): then members agree on every part's bytes first."""
         me = list(members).index(self.p2p.peer_id)
         check_weights(members, weights, me, contribution.weight)
         if self.rule.verify and layout.clients:
@@ -101,13 +113,19 @@ class AllReduce(GroupSlots):
         slot = self._groups.setdefault(group_id, asyncio.get_running_loop().create_future())
         if slot.done():
             raise AllReduceFailed(f"group {group_id.hex()[:8]} was already run here")
-        group = GroupState(group_id, members, me, layout, contribution, weights, self.rule)
+        group = GroupState(group_id, members, me, layout, contribution, weights, self.rule,
+                           keys if self.identity is not None else None)
         slot.set_result(group)
+        self.hooks.started(group)
         if group_id in self._abandoned and self._abandoned[group_id][0] in group.members:
             await group.fail("{} left the group: {}".format(*self._abandoned.pop(group_id)))
         tasks = [asyncio.ensure_future(self._reduce_own(group))]
         tasks += [asyncio.ensure_future(self._exchange(group, j)) for j in layout.owners if j != me]
         done = audit.start(self, group, tasks) if self.rule.verify else group.complete
+        if group.agreeing:  # and every other owner agreed, and so did we as an owner: agree.py
+            others = {j for j in layout.owners if j != me}
+            done = (lambda base: lambda: base() and group.agreed >= others
+                    and len(group.settled) == len(group.members))(done)
         deadline = self.deadline(layout, me)
         watch = asyncio.ensure_future(group.wait_for(done, None, "all-reduce"))
         try:
@@ -123,17 +141,21 @@ class AllReduce(GroupSlots):
         except BaseException as e:
             if isinstance(e, TimeoutError):
                 missing = [j for j, (h, c) in enumerate(zip(group.have, group.chunks)) if h < len(c)]
+                # the one we saw hold us up: a member whose contribution to our part is missing, else an owner
+                first = group.pending.get(min(group.pending, default=-1), [])  # the chunk of our part we wait on
+                late = [i for i, c in enumerate(first) if c is None and i != me] + [j for j in missing if j != me]
                 e = AllReduceFailed(f"not done within {deadline:.0f} s (swarm.stall_timeout + "
                                     f"{layout.member_wire_bytes(me)} bytes / swarm.min_bandwidth); parts {missing} "
-                                    f"incomplete")
+                                    f"incomplete", group.members[late[0]] if late else None, SEEN)
             elif isinstance(e, WireError):
                 e = AllReduceFailed(str(e))
-            await group.fail(str(e) or type(e).__name__, getattr(e, "culprit", None))
+            await group.fail(str(e) or type(e).__name__, getattr(e, "culprit", None), getattr(e, "blame", TOLD))
             for task in [watch, *tasks]:
                 task.cancel()
             if isinstance(e, AllReduceFailed) and e.culprit is None and group.culprit is not None:
-                e = AllReduceFailed(f"{e} (first failure: {group.failure})", group.culprit)
-            self._forget(group_id, e if isinstance(e, AllReduceFailed) else AllReduceFailed(group.failure))
+                e = AllReduceFailed(f"{e} (first failure: {group.failure})", group.culprit, group.blame)
+            self._forget(group_id, e if isinstance(e, AllReduceFailed) else group.failed())
+            self._tell_owners(group)
             if self.rule.verify:
                 audit.keep(self, group)
             raise e from None
@@ -149,14 +171,12 @@ class AllReduce(GroupSlots):
                 for task in tasks:
                     task.cancel()
                 self._forget(group.group_id, AllReduceFailed("this all-reduce is over here"))
-        task = asyncio.ensure_future(release())
-        self._serving.add(task)
-        task.add_done_callback(self._serving.discard)
+        self._background(release())
 
     def _encode_mine(self, group: GroupState, chunk: Chunk) -> bytes:
         """Our elements of `chunk`, encoded; with error feedback, what the encoding dropped goes to `residual`."""
         values = gather(group.mine.read, chunk)
-        if not all_finite(values):
+        if self.hooks.checks_own() and not all_finite(values):
             raise AllReduceFailed("our own pseudo-gradient is not finite: not sent")
         codec = group.layout.codec_of(chunk)
         payload = codec.encode(self.hooks.contribution(values))
@@ -173,49 +193,61 @@ class AllReduce(GroupSlots):
             await channel.send_control(Kind.HELLO, {"group": group.group_id, "weight": group.weights[group.me]})
             await together(self._push(group, j, channel), self._take_results(group, j, channel))
         except PeerFailed as e:
-            raise AllReduceFailed(f"part {j} failed at its owner: {e}") from None
+            raise AllReduceFailed(f"part {j} failed at its owner: {e}", e.culprit, TOLD) from None
         except WireError as e:
             if group.failure is None:
                 logger.info(f"all-reduce: lost the owner of part {j} ({e}); asking groupmates for it")
                 await repair(self, group, j, e)
-        await group.wait_for(lambda: group.complete() and group.audited, None, "all-reduce")
+        await group.wait_for(lambda: (agree.ready(group) if group.agreeing else group.complete()) and group.audited,
+                             None, "all-reduce")
         if channel is not None:
             try:
-                await channel.send(Kind.DONE)
+                await channel.send(Kind.DONE, agree.done_frame(group) if group.agreeing else b"")
+                if group.agreeing:
+                    await channel.recv_kind(Kind.DONE, 0)  # the owner found every member's digests alike
+            except PeerFailed as e:
+                raise AllReduceFailed(f"part {j}: its owner did not agree: {e}", e.culprit, TOLD) from None
             except WireError:
-                pass  # the owner is gone; it needed nothing more from us
+                pass  # the owner is gone; it needed nothing more from us, and cannot object any more
             channel.close()
+        group.agreed.add(j)
+        await group.notify()
 
     async def _push(self, group: GroupState, j: int, channel: Channel) -> None:
-        chunks = group.chunks[j]
-        ahead = self._cpu(self._encode_mine, group, chunks[0]) if chunks else None
-        for k in range(len(chunks)):
-            payload = await ahead
-            ahead = self._cpu(self._encode_mine, group, chunks[k + 1]) if k + 1 < len(chunks) else None
-            await channel.send(Kind.CHUNK, payload)
+        async def push(count: Optional[int]) -> None:  # the first `count` chunks of part j (None: all)
+            chunks = group.chunks[j][:count]
+            ahead = self.cpu(self._encode_mine, group, chunks[0]) if chunks else None
+            for k in range(len(chunks)):
+                payload = await ahead
+                ahead = self.cpu(self._encode_mine, group, chunks[k + 1]) if k + 1 < len(chunks) else None
+                await channel.send(Kind.CHUNK, payload)
+        await self.hooks.push(group, j, channel, push)
         if self.on_pushed is not None:
             self.on_pushed()
 
-    def _decode_into(self, out: Sequence[torch.Tensor], chunk: Chunk, codec, payload: bytearray) -> None:
-        values = codec.decode(payload, chunk.numel)
-        if not all_finite(values):
-            raise CodecError("the average is not finite")
-        scatter(out, chunk, values)
-
     async def _take_results(self, group: GroupState, j: int, channel: Channel) -> None:
+        await self.hooks.taking_results(group, j)
         committed = audit.DIGEST * len(group.members) if self.rule.verify else 0  # audit.py
         for chunk in group.chunks[j][group.have[j]:]:
             codec = group.layout.codec_of(chunk)
             payload = await channel.recv_kind(Kind.RESULT, committed + codec.wire_bytes(chunk.numel))
+            group.hashes[j].update(payload)
             if committed:
                 if group.audit_pick.get(j) == chunk.index:
                     group.audit_got[j] = (bytes(payload[:committed]), bytes(payload[committed:]))
                 payload = payload[committed:]
             try:
-                await self._cpu(self._decode_into, group.mine.out, chunk, codec, payload)
+                await self.cpu(decode_into, group.mine.out, chunk, codec, payload)
             except CodecError as e:
                 raise AllReduceFailed(f"part {j}: bad average from {group.members[j]}: {e}", group.members[j]) from None
             group.have[j] += 1
+            await group.notify()
+        if group.agreeing:
+            digest, sig = agree.parse_digest(await channel.recv_kind(Kind.DIGEST, agree.ENTRY_BYTES))
+            if digest != group.hashes[j].digest() or not agree.verifies(group.keys[j], group.group_id, j, digest, sig):
+                raise AllReduceFailed(f"part {j}: its owner {group.members[j]} sent a digest and signature that do "
+                                      f"not match the bytes it sent us", group.members[j])
+            group.signed[j] = (digest, sig)
             await group.notify()
 
     # ---- the owner's side -------------------------------------------------------------------------------
@@ -236,17 +268,28 @@ class AllReduce(GroupSlots):
 
     async def _reduce_own(self, group: GroupState) -> None:
         for k, chunk in enumerate(group.chunks[group.me]):
-            own, payload = await self._cpu(self._own_share, group, chunk)
+            own, payload = await self.cpu(self._own_share, group, chunk)
             group.pending.setdefault(k, [None] * len(group.members))[group.me] = own
             if self.rule.verify:
                 group.digests.setdefault(k, [None] * len(group.members))[group.me] = audit.digest(payload)
             await group.notify()
-            await group.wait_for(lambda k=k: all(c is not None for c in group.pending[k]), self.stall,
-                                 f"part {group.me}, chunk {k}: waiting for "
-                                 f"{[str(group.members[i]) for i, c in enumerate(group.pending[k]) if c is None]}")
-            result = await self._cpu(self._reduce, group, chunk, group.pending.pop(k))
+            try:
+                await group.wait_for(lambda k=k: all(c is not None for c in group.pending[k]), self.stall,
+                                     f"part {group.me}, chunk {k}: waiting for "
+                                     f"{[str(group.members[i]) for i, c in enumerate(group.pending[k]) if c is None]}")
+            except AllReduceFailed as e:  # a member that never came, or went silent: we saw it ourselves
+                missing = [group.members[i] for i, c in enumerate(group.pending[k]) if c is None]
+                if e.culprit is not None or not missing:
+                    raise
+                raise AllReduceFailed(str(e), missing[0], SEEN) from None
+            result = await self.cpu(self._reduce, group, chunk, group.pending.pop(k))
             group.results[k] = b"".join(group.digests.pop(k)) + result if self.rule.verify else result
+            group.hashes[group.me].update(group.results[k])
             group.have[group.me] += 1
+            await group.notify()
+        if group.agreeing:
+            digest = group.hashes[group.me].digest()
+            group.signed[group.me] = (digest, await self.cpu(agree.sign, self.identity, group, digest))
             await group.notify()
 
     async def _serve_contributions(self, channel: Channel) -> None:
@@ -259,6 +302,7 @@ class AllReduce(GroupSlots):
             for group in [g for g in map(self.held, list(self._groups)) if g and channel.peer in g.members
                           and g.members.index(channel.peer) not in g.hello]:
                 await group.fail(f"part {group.me}: {channel.peer} sent an unreadable HELLO: {e}", channel.peer)
+            await channel.refuse(f"an unreadable HELLO: {e}", channel.peer)
             raise
         if "abandon" in hello:
             return self._left(hello.get("group"), channel.peer, hello["abandon"])
@@ -275,16 +319,22 @@ class AllReduce(GroupSlots):
             reason = f"part {group.me}: {channel.peer} sent weight {weight!r}, not the {group.weights[i]} it announced"
             logger.warning(f"all-reduce: rejected the contribution of {channel.peer}: bad weight {weight!r}")
             await group.fail(reason, channel.peer)
-            return await channel.refuse(reason)
+            return await channel.refuse(reason, channel.peer)
         sending = asyncio.ensure_future(self._send_results(group, i, channel))
         try:
             await self._take_contributions(group, i, channel)
             await sending
+            if group.agreeing and i in group.vectors:
+                await agree.answer(group, channel)
         finally:
             sending.cancel()
             group.delivered[i] = math.inf
             group.settled.add(i)
+            if i not in group.vectors:
+                group.gone.add(i)
             await group.notify()
+        if group.failure is not None:  # our FAIL must reach it before we close (Channel.refuse)
+            await channel.drain()
 
     async def _take_contributions(self, group: GroupState, i: int, channel: Channel) -> None:
         chunks = group.chunks[group.me]
@@ -295,23 +345,30 @@ class AllReduce(GroupSlots):
                 payload = await channel.recv_kind(Kind.CHUNK, codec.wire_bytes(chunk.numel))
                 if self.rule.verify:
                     group.digests.setdefault(k, [None] * len(group.members))[i] = audit.digest(payload)
-                values = await self._cpu(codec.decode, payload, chunk.numel)
+                values = await self.cpu(codec.decode, payload, chunk.numel)
                 if not all_finite(values):
                     raise CodecError("part contains NaN or Inf")
-            except (WireError, CodecError) as e:
+            except PeerFailed as e:  # it gave up, naming whom it holds responsible
+                await group.fail(f"part {group.me}: {e}", e.culprit, TOLD)
+                return
+            except (WireError, CodecError) as e:  # malformed: PROOF; silent or gone mid-part: SEEN
                 if group.failure is None:
                     logger.warning(f"all-reduce: rejected the contribution of {channel.peer}: {e}")
-                await group.fail(f"part {group.me}: rejected the contribution of {channel.peer}: {e}",
-                                 channel.peer if isinstance(e, (ProtocolError, CodecError)) else None)
+                await group.fail(f"part {group.me}: rejected the contribution of {channel.peer}: {e}", channel.peer,
+                                 PROOF if isinstance(e, (ProtocolError, CodecError)) else SEEN)
                 return
             except AllReduceFailed:
                 return
             group.pending.setdefault(k, [None] * len(group.members))[i] = values
             await group.notify()
-        try:
-            await channel.recv_kind(Kind.DONE, 512)  # room for a FAIL's reason; more than its part is refused
+        try:  # room for a FAIL's reason or, agreeing, for its digests; more than its part is refused
+            done = await channel.recv_kind(Kind.DONE, agree.done_bytes(group) if group.agreeing else 512)
+            if group.agreeing:
+                await agree.take_done(group, i, done)
+        except AllReduceFailed as e:
+            await group.fail(str(e), e.culprit)
         except PeerFailed as e:  # with verify_parts: its audit failed (audit.py), so must the round
-            await audit.refused(group, f"a groupmate refused the round: {e}")
+            await audit.refused(group, f"a groupmate refused the round: {e}", e.culprit)
         except ProtocolError as e:
             logger.warning(f"all-reduce: {channel.peer} sent more than its part: {e}")
         except WireError:
@@ -320,15 +377,23 @@ class AllReduce(GroupSlots):
     async def _send_results(self, group: GroupState, i: int, channel: Channel) -> None:
         chunks = group.chunks[group.me]
         try:
+            sent = hashlib.blake2b(digest_size=16)  # of what we send member i (agree.py)
             for k in range(len(chunks)):
                 await group.wait_for(lambda k=k: group.have[group.me] > k, None, "results")
-                await channel.send(Kind.RESULT, group.results[k])
+                await self.hooks.sending_result(group, i, k, channel)
+                payload = self.hooks.result(group, i, k, group.results[k])
+                sent.update(payload)
+                await channel.send(Kind.RESULT, payload)
                 group.delivered[i] = k + 1
                 for done in [d for d in group.results if d < min(group.delivered)]:
                     del group.results[done]
                 await group.notify()
+            if group.agreeing:
+                await group.wait_for(lambda: group.me in group.signed, None, "our digest")
+                sig = await self.cpu(agree.sign, self.identity, group, digest := sent.digest())
+                await channel.send(Kind.DIGEST, agree.digest_frame(digest, sig))
         except AllReduceFailed as e:
-            await channel.fail(str(e))
+            await channel.fail(str(e), e.culprit)
         except WireError:
             pass  # member i is gone or stalled; it may still take our part from a groupmate
         finally:

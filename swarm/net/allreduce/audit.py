@@ -25,7 +25,10 @@ Detection: an owner that falsifies c of the K chunks of its part passes one audi
 of a 10M-element part: 16 %).
 
 Each member checks the bytes it received: an owner that sends one member a falsified chunk and the
-others the true one is caught by that member alone, with probability 1/K if it falsifies one chunk.
+others the true one is caught by that member alone, with probability 1/K if it falsifies one chunk; the
+agreement on signed digests (agree.py, on whenever members' keys are known) catches that one with
+certainty, whatever it falsifies. What the audit still adds is the owner that sends every member the same
+wrong average (the way to dictate the part): the digests agree then, and only a recomputation sees it.
 
 Cost per member and round: (n-1)^2 contribution chunks fetched (n-1 parts, each from the n-1 others, the
 owner included) and as many served, n-1 chunks recomputed, 16 n bytes of digests per result chunk. Against
@@ -42,17 +45,17 @@ import asyncio
 import hashlib
 import logging
 import secrets
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
+from hivemind.p2p import PeerID
+
+from swarm.net.allreduce.groupstate import TOLD, AllReduceFailed, GroupState
+from swarm.net.allreduce.layout import gather
+from swarm.net.allreduce.robust import reduce_chunk
+from swarm.net.allreduce.slots import GroupSlots
 from swarm.net.codec import CodecError
-from swarm.net.groupstate import AllReduceFailed, GroupState
-from swarm.net.layout import gather
-from swarm.net.robust import reduce_chunk
 from swarm.net.wire import Channel, Kind, ProtocolError, WireError
 from swarm.tensors import all_finite
-
-if TYPE_CHECKING:
-    from swarm.net.allreduce import AllReduce
 
 logger = logging.getLogger("swarm.net.allreduce")  # one log for the whole all-reduce
 
@@ -63,11 +66,11 @@ def digest(payload: bytes | bytearray) -> bytes:
     return hashlib.blake2b(payload, digest_size=DIGEST).digest()
 
 
-def start(ar: AllReduce, group: GroupState, tasks: list) -> Callable[[], bool]:
+def start(slots: GroupSlots, group: GroupState, tasks: list) -> Callable[[], bool]:
     """Pick the chunk of every other part we will recompute (now, told to nobody), add our audit to the run's
     `tasks`; return when the run is done: complete, our audit passed, every groupmate said DONE (or left)."""
     group.audit_pick = {j: secrets.randbelow(len(c)) for j, c in enumerate(group.chunks) if j != group.me and c}
-    tasks.append(asyncio.ensure_future(audit(ar, group)))
+    tasks.append(asyncio.ensure_future(audit(slots, group)))
     return lambda: group.complete() and group.audited and len(group.settled) == len(group.members)
 
 
@@ -81,11 +84,11 @@ def encode_pure(group: GroupState, chunk) -> bytes:
     return group.layout.codec_of(chunk).encode(gather(group.mine.read, chunk))
 
 
-async def fetch(ar: AllReduce, group: GroupState, i: int, j: int, k: int) -> Optional[bytes]:
+async def fetch(slots: GroupSlots, group: GroupState, i: int, j: int, k: int) -> Optional[bytes]:
     """Member i's contribution to chunk k of part j; None if it is gone (that part goes unchecked)."""
     chunk = group.chunks[j][k]
     try:
-        channel = await Channel.open(ar.p2p, group.members[i], f"{ar.name}_audit", ar.stall, group.traffic)
+        channel = await Channel.open(slots.p2p, group.members[i], f"{slots.name}_audit", slots.stall, group.traffic)
         try:
             await channel.send_control(Kind.HELLO, {"group": group.group_id, "part": j, "chunk": k})
             return bytes(await channel.recv_kind(Kind.CHUNK, group.layout.codec_of(chunk).wire_bytes(chunk.numel)))
@@ -99,12 +102,12 @@ async def fetch(ar: AllReduce, group: GroupState, i: int, j: int, k: int) -> Opt
         return None
 
 
-async def check_part(ar: AllReduce, group: GroupState, j: int) -> None:
+async def check_part(slots: GroupSlots, group: GroupState, j: int) -> None:
     k, (committed, result) = group.audit_pick[j], group.audit_got.pop(j)
     owner, chunk, n = group.members[j], group.chunks[j][group.audit_pick[j]], len(group.members)
     codec = group.layout.codec_of(chunk)
-    fetched = await asyncio.gather(*[fetch(ar, group, i, j, k) for i in range(n) if i != group.me])
-    payloads = fetched[:group.me] + [await ar._cpu(encode_pure, group, chunk)] + fetched[group.me:]
+    fetched = await asyncio.gather(*[fetch(slots, group, i, j, k) for i in range(n) if i != group.me])
+    payloads = fetched[:group.me] + [await slots.cpu(encode_pure, group, chunk)] + fetched[group.me:]
     if any(p is None for p in payloads):
         return
     for i, payload in enumerate(payloads):
@@ -120,7 +123,7 @@ async def check_part(ar: AllReduce, group: GroupState, j: int) -> None:
             raise CodecError("a contribution the owner accepted is not finite")
         return codec.encode(reduce_chunk(values, group.shares, group.rule))
     try:
-        expected = await ar._cpu(recompute)
+        expected = await slots.cpu(recompute)
     except CodecError as e:
         raise AllReduceFailed(f"part {j}: owner {owner} accepted a contribution it had to refuse: {e}", owner) from None
     if expected != result:
@@ -128,48 +131,47 @@ async def check_part(ar: AllReduce, group: GroupState, j: int) -> None:
                               f"recomputation)", owner)
 
 
-async def audit(ar: AllReduce, group: GroupState) -> None:
+async def audit(slots: GroupSlots, group: GroupState) -> None:
     """Check every part we took from its owner; on a failure tell every owner (FAIL) before anything else.
     A groupmate's failed audit fails the round only after ours is done: our own finding names the culprit,
     a groupmate's word never does."""
     await group.wait_for(group.complete, None, "audit")
     try:
         for j in sorted(group.audit_got):
-            await check_part(ar, group, j)
+            await check_part(slots, group, j)
         if group.refusals:
-            raise AllReduceFailed(group.refusals[0])
+            raise AllReduceFailed(*group.refusals[0], TOLD)
     except AllReduceFailed as e:
         if e.culprit is not None:
             logger.warning(f"all-reduce: audit failed: {e}")
         await group.fail(str(e), e.culprit)
-        await asyncio.gather(*[channel.fail(str(e)) for channel in group.channels.values()])
+        await asyncio.gather(*[channel.fail(str(e), e.culprit) for channel in group.channels.values()])
         raise
     group.audited = True
     await group.notify()
 
 
-async def refused(group: GroupState, reason: str) -> None:
-    """A groupmate's audit failed (it sent FAIL where DONE was due)."""
+async def refused(group: GroupState, reason: str, culprit: Optional[PeerID]) -> None:
+    """A groupmate's audit (or its round) failed: it sent FAIL where DONE was due, naming `culprit`."""
     if group.audited or not group.rule.verify:
-        await group.fail(reason)
+        await group.fail(reason, culprit, TOLD)
     else:
-        group.refusals.append(reason)
+        group.refusals.append((reason, culprit))
 
 
-def keep(ar: AllReduce, group: GroupState) -> None:
+def keep(slots: GroupSlots, group: GroupState) -> None:
     """Serve a failed group's contributions to auditors for `stall` s more: a groupmate still checking the
     owner we caught needs them to find the culprit itself."""
     group.pending.clear()
     group.results.clear()
-    ar.failed[group.group_id] = group
-    asyncio.get_running_loop().call_later(ar.stall, ar.failed.pop, group.group_id, None)
+    slots.keep_failed(group)
 
 
-async def serve_audit(ar: AllReduce, channel: Channel) -> None:
+async def serve_audit(slots: GroupSlots, channel: Channel) -> None:
     """Send a groupmate our contribution to one chunk of one part (each member may ask once per part)."""
     hello = await channel.recv_control()
     group_id = hello.get("group")
-    group = ar.held(group_id) or (ar.failed.get(group_id) if isinstance(group_id, bytes) else None)
+    group = slots.held(group_id, failed=True)
     j, k = hello.get("part"), hello.get("chunk")
     valid = (group is not None and group.rule.verify and channel.peer in group.members and isinstance(j, int)
              and 0 <= j < len(group.members) and isinstance(k, int) and 0 <= k < len(group.chunks[j])
@@ -178,4 +180,4 @@ async def serve_audit(ar: AllReduce, channel: Channel) -> None:
         return await channel.fail("no such group, part or chunk here, or asked already")
     group.audits_served.add((channel.peer, j))
     channel.count_into(group.traffic)
-    await channel.send(Kind.CHUNK, await ar._cpu(encode_pure, group, group.chunks[j][k]))
+    await channel.send(Kind.CHUNK, await slots.cpu(encode_pure, group, group.chunks[j][k]))

@@ -7,6 +7,7 @@ chunk arrives, a part advances or the group fails, and each waiter re-checks its
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -15,8 +16,8 @@ import torch
 from hivemind.p2p import PeerID
 
 from swarm.errors import SwarmError
-from swarm.net.layout import WireLayout
-from swarm.net.robust import Rule, cap_weights
+from swarm.net.allreduce.layout import WireLayout
+from swarm.net.allreduce.robust import Rule, cap_weights
 from swarm.net.wire import Traffic
 
 WINDOW = 2
@@ -24,14 +25,26 @@ WINDOW = 2
 WINDOW x members chunks, however fast a member pushes."""
 
 
+PROOF, SEEN, TOLD = "proof", "seen", "told"
+"""How we know who made an all-reduce fail (`AllReduceFailed.blame`):
+- PROOF: we saw it ourselves send what no honest peer sends (malformed or non-finite data, a weight other than
+  it announced, a wrong average, two signed digests of one part): an offense (access.py: banned after
+  BAN_AFTER);
+- SEEN: we saw it go silent, or leave, in the middle of its part (an honest peer may die or lose its link);
+- TOLD: a groupmate's FAIL named it (the groupmate saw it, or was told), which a liar could do to anyone.
+SEEN and TOLD only keep it out of our groups for the rest of the round (grouping.Offenses), never an offense.
+Every FAIL we send names our failure's culprit, whatever we know it by, so that every member of a group that
+fails because of one peer names that peer, whichever message reaches it first."""
+
+
 class AllReduceFailed(SwarmError):
     """One all-reduce did not produce a complete result; the message says which part and why. `culprit`: the
-    groupmate that sent something no honest peer sends (malformed or non-finite data, a weight other than it
-    announced, a wrong average), if we saw it ourselves; the caller may keep it out of later groups."""
+    groupmate held responsible, and `blame` how we know it (PROOF, TOLD); the caller keeps it out of later
+    groups."""
 
-    def __init__(self, reason: str, culprit: Optional[PeerID] = None):
+    def __init__(self, reason: str, culprit: Optional[PeerID] = None, blame: str = PROOF):
         super().__init__(reason)
-        self.culprit = culprit
+        self.culprit, self.blame = culprit, blame
 
 
 async def together(*steps) -> None:
@@ -71,7 +84,8 @@ class GroupState:
     """This member's view of one all-reduce."""
 
     def __init__(self, group_id: bytes, members: Sequence[PeerID], me: int, layout: WireLayout,
-                 contribution: Contribution, weights: Sequence[float], rule: Rule):
+                 contribution: Contribution, weights: Sequence[float], rule: Rule,
+                 keys: Optional[Sequence[bytes]] = None):
         n = len(members)
         self.group_id, self.members, self.me, self.layout, self.mine = group_id, list(members), me, layout, contribution
         self.chunks = [layout.chunks(j) for j in range(n)]
@@ -79,6 +93,7 @@ class GroupState:
         self.changed = asyncio.Condition()
         self.failure: Optional[str] = None
         self.culprit: Optional[PeerID] = None
+        self.blame = PROOF
         self.rule = rule
         # the weights every member agreed on (matchmaking), and the shares every owner reduces with
         self.weights = [float(w) for w in weights]
@@ -99,8 +114,19 @@ class GroupState:
         self.audit_pick: dict[int, int] = {}  # verify_parts: the chunk of each part we recompute (audit.py)
         self.audit_got: dict[int, tuple[bytes, bytes]] = {}  # (owner's digests, its result) of that chunk
         self.audited = not rule.verify
-        self.refusals: list[str] = []  # groupmates' failed audits, acted on once ours is done (audit.py)
+        # groupmates' failed audits (reason, the culprit they name), acted on once ours is done (audit.py)
+        self.refusals: list[tuple[str, Optional[PeerID]]] = []
         self.audits_served: set[tuple[PeerID, int]] = set()  # (groupmate, part) whose contribution we re-sent
+        # one result per part (agree.py), with every member's public key: off without them
+        self.keys = list(keys) if keys is not None else None
+        self.agreeing = keys is not None
+        self.hashes = {j: hashlib.blake2b(digest_size=16) for j in range(n)}  # of the results we take, by part
+        self.signed: dict[int, tuple[bytes, bytes]] = {}  # part -> (its digest, its owner's signature)
+        self.signatures: dict[bytes, bytes] = {}  # our signature of each digest of our part we sent
+        self.vectors: dict[int, dict[int, bytes]] = {}  # member -> the digests its DONE carried, by part
+        self.gone: set[int] = set()  # members whose stream to us ended without a DONE
+        self.agreed: set[int] = set()  # owners that answered our DONE with theirs (or left)
+        self.repaired: set[int] = set()  # parts taken from a groupmate (repair.py): no owner's digest
 
     def complete(self) -> bool:
         return all(h == len(c) for h, c in zip(self.have, self.chunks))
@@ -126,9 +152,12 @@ class GroupState:
         except TimeoutError:
             raise AllReduceFailed(f"{what}: nothing arrived for {stall:g} s (swarm.stall_timeout)") from None
         if self.failure is not None and not predicate():
-            raise AllReduceFailed(self.failure, self.culprit)
+            raise AllReduceFailed(self.failure, self.culprit, self.blame)
 
-    async def fail(self, reason: str, culprit: Optional[PeerID] = None) -> None:
+    async def fail(self, reason: str, culprit: Optional[PeerID] = None, blame: str = PROOF) -> None:
         if self.failure is None:
-            self.failure, self.culprit = reason, culprit
+            self.failure, self.culprit, self.blame = reason, culprit, blame
         await self.notify()
+
+    def failed(self) -> AllReduceFailed:
+        return AllReduceFailed(self.failure or "failed", self.culprit, self.blame)

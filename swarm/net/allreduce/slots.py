@@ -1,4 +1,6 @@
-"""The groups one peer runs or waits for, by group id: the part of `AllReduce` that strangers reach first.
+"""The groups one peer runs or waits for, by group id: the part of `AllReduce` that strangers reach first,
+and what its audits and repairs (audit.py, repair.py) use of it: the peer's P2P, handler name, stall, access
+and CPU pool.
 
 A groupmate may push to us before we have left matchmaking, so a stream naming an unknown group waits for
 it up to `stall` s; at most MAX_PENDING_GROUPS such waits at once, and MAX_PENDING_PER_PEER per peer, so
@@ -10,13 +12,15 @@ member that leaves a group before running it (`abandon`) is remembered as long.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 from collections import Counter
 from typing import Optional, Sequence
 
 from hivemind.p2p import P2P, PeerID
 
-from swarm.net.groupstate import AllReduceFailed, GroupState
+from swarm.net.access import Access
+from swarm.net.allreduce.groupstate import AllReduceFailed, GroupState
 from swarm.net.wire import Channel, Kind, WireError
 
 logger = logging.getLogger(__name__)
@@ -26,17 +30,43 @@ MAX_PENDING_PER_PEER = 2  # of those, opened by one peer: a flood from one peer 
 
 
 class GroupSlots:
-    p2p: P2P
-    name: str
-    stall: float
-    _groups: dict[bytes, asyncio.Future[GroupState]]
-    _abandoned: dict[bytes, tuple[PeerID, str]]
-    _opened: Counter[PeerID]
+    def __init__(self, p2p: P2P, name: str, stall: float, pool: concurrent.futures.Executor, access: Access):
+        self.p2p, self.name, self.stall, self.pool, self.access = p2p, name, stall, pool, access
+        self._groups: dict[bytes, asyncio.Future[GroupState]] = {}
+        self._abandoned: dict[bytes, tuple[PeerID, str]] = {}  # groups a member left before we ran them
+        self._opened: Counter[PeerID] = Counter()  # unknown groups each peer is waiting for here
+        self._failed: dict[bytes, GroupState] = {}  # verify_parts: failed groups, `stall` s for audits (audit.py)
+        self._serving: set[asyncio.Task] = set()  # lingering groups, FAILs being delivered: `drain` waits for them
 
-    def held(self, group_id: object) -> Optional[GroupState]:
-        """The group `group_id` if it runs (or lingers) here."""
+    def cpu(self, fn, *args) -> asyncio.Future:
+        """`fn(*args)` in the CPU pool: the event loop only moves bytes."""
+        return asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def _background(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._serving.add(task)
+        task.add_done_callback(self._serving.discard)
+
+    def _tell_owners(self, group: GroupState) -> None:
+        """A failed group: FAIL our streams to the owners, naming the culprit, so that they name it too instead
+        of waiting out our silence (in the background: each waits for its owner to close, `Channel.refuse`)."""
+        async def tell(channel: Channel) -> None:
+            await channel.refuse(group.failure or "failed", group.culprit)
+            channel.close()
+        for channel in group.channels.values():
+            self._background(tell(channel))
+
+    def held(self, group_id: object, failed: bool = False) -> Optional[GroupState]:
+        """The group `group_id` if it runs (or lingers) here; with `failed`, also one kept for audits."""
         slot = self._groups.get(group_id) if isinstance(group_id, bytes) else None
-        return slot.result() if slot is not None and slot.done() and slot.exception() is None else None
+        if slot is not None and slot.done() and slot.exception() is None:
+            return slot.result()
+        return self._failed.get(group_id) if failed and isinstance(group_id, bytes) else None
+
+    def keep_failed(self, group: GroupState) -> None:
+        """Hold a failed group `stall` s more, for `held(..., failed=True)`: its groupmates' audits need it."""
+        self._failed[group.group_id] = group
+        asyncio.get_running_loop().call_later(self.stall, self._failed.pop, group.group_id, None)
 
     async def abandon(self, group_id: bytes, members: Sequence[PeerID], reason: str) -> None:
         """Tell `members` that we will not take part in `group_id` (they drop it at once, not after a stall)."""
@@ -89,8 +119,8 @@ class GroupSlots:
             if self._groups.get(group_id) is slot and not slot.done():
                 del self._groups[group_id]
             await channel.refuse(f"group {group_id.hex()[:8]} never started here")
-        except AllReduceFailed as e:
-            await channel.fail(str(e))
+        except AllReduceFailed as e:  # refuse, not fail: its HELLO and chunks still arriving must not reset the FAIL
+            await channel.refuse(str(e), e.culprit)
         finally:
             self._opened[channel.peer] -= 1
             if not self._opened[channel.peer]:

@@ -1,0 +1,84 @@
+"""Memory per rank of a sharded peer (`inner.parallel: fsdp`, swarm/sharding.py): one `swarm peer --solo` of K = 1,
+2, 4 ranks on a model of >= 50M parameters, one round of 2 inner steps, and each rank's peak resident memory
+(ru_maxrss, which each rank writes to ranks/rank-<k>.json) against its share of the training state.
+
+The training state is 24 bytes per parameter (fp32 parameters, gradients, both AdamW moments, global parameters
+and outer momentum); a rank of K holds 1/K of it. The per-process constant is the peak of a rank of the same
+peer on a model of ~30k parameters (the interpreter, torch, transformers, hivemind, the corpus). Reported per K:
+the state's share, rank 0's peak and the other ranks' largest, and (peak - constant) / (state / K), the target
+being <= 1.3. Rank 0 also holds, during an exchange, the pseudo-gradient gathered whole and its average (8 bytes
+per parameter of the fragment exchanged: `diloco.fragments` F divides it by F); that is its extra.
+`--quick`: a 3M-parameter model, K = 1, 2.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import REPO, md_table, stamp
+from swarm.configfile import load_config
+from swarm.data import load_corpus
+from swarm.model import build_model, count_parameters
+
+BYTES_PER_PARAMETER = 6 * 4
+RUN = ["--data.seq_len", "64", "--model.max_seq_len", "64", "--data.batch_size", "4", "--data.eval_batches", "1",
+       "--diloco.rounds", "1", "--diloco.inner_steps", "2", "--inner.warmup_steps", "1", "--diloco.delay", "0",
+       "--diloco.threads", "1", "--checkpoint.every", "0", "--logging.progress_bar", "false", "--inner.parallel",
+       "fsdp", "--data.max_documents", "200"]
+MODELS = {
+    "full": ["--model.hidden_size", "768", "--model.num_layers", "8", "--model.num_heads", "12",
+             "--model.intermediate_size", "2048"],
+    "quick": ["--model.hidden_size", "256", "--model.num_layers", "4", "--model.num_heads", "4",
+              "--model.intermediate_size", "688"],
+    "empty": ["--model.hidden_size", "32", "--model.num_layers", "2", "--model.num_heads", "2",
+              "--model.intermediate_size", "64"],
+}
+
+
+def peaks(model: list[str], k: int, out: Path) -> list[int]:
+    """Each rank's peak resident bytes (rank order) of one solo peer of `k` ranks."""
+    proc = subprocess.run([sys.executable, "-m", "swarm.cli", "peer", "--solo", "--config", "configs/tiny.yaml",
+                           "--nproc-per-node", str(k), *model, *RUN, "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"swarm peer exited {proc.returncode}: {proc.stderr[-2000:]}")
+    if k == 1:
+        return [json.loads((out / "summary.json").read_text())["peers"][0]["peak_rss_bytes"]]
+    return [json.loads(p.read_text())["peak_rss_bytes"] for p in sorted((out / "ranks").glob("rank-*.json"))]
+
+
+def run(quick: bool) -> dict:
+    model, ks = (MODELS["quick"], [1, 2]) if quick else (MODELS["full"], [1, 2, 4])
+    cfg = load_config(REPO / "configs" / "tiny.yaml", model)
+    params = count_parameters(build_model(cfg.model, load_corpus(cfg.data).tokenizer.vocab_size))
+    state = BYTES_PER_PARAMETER * params
+    start = time.time()
+    with tempfile.TemporaryDirectory(prefix="bench-shards-") as tmp:
+        constant = max(peaks(MODELS["empty"], 2, Path(tmp) / "empty"))
+        measured = {k: peaks(model, k, Path(tmp) / f"k{k}") for k in ks}
+    rows, points = [], []
+    for k, per_rank in measured.items():
+        share = state / k
+        others = max(per_rank[1:], default=None)
+        ratio = [(p - constant) / share for p in per_rank]
+        points.append({"k": k, "peak_rss_bytes": per_rank, "state_share_bytes": share, "ratio": ratio})
+        rows.append([str(k), f"{share / 2**20:.0f}", f"{per_rank[0] / 2**20:.0f} ({ratio[0]:.2f}x)",
+                     "-" if others is None else f"{others / 2**20:.0f} ({max(ratio[1:]):.2f}x)"])
+    table = md_table(["K ranks", "state / K, MiB", "rank 0 peak RSS, MiB ((peak - constant) / (state / K))",
+                      "other ranks' largest peak RSS, MiB (ratio)"], rows)
+    table += (f"\n\n{params / 1e6:.1f}M parameters, training state {state / 2**20:.0f} MiB (24 bytes per parameter); "
+              f"per-process constant (a rank of a 2-rank peer of a 30k-parameter model) {constant / 2**20:.0f} MiB. "
+              f"One `swarm peer --solo --inner.parallel fsdp` per K: 1 round of 2 inner steps, batch 4 x 64 tokens, "
+              f"1 torch thread per rank on 2 shared cores. Rank 0's extra is the exchange's whole pseudo-gradient "
+              f"and average (8 bytes per parameter; 1/F with diloco.fragments F).")
+    return {"table": table, "params": params, "state_bytes": state, "constant_bytes": constant, "points": points,
+            "wall_s_runs": time.time() - start, "timestamp": stamp()}
+
+
+if __name__ == "__main__":
+    print(run("--quick" in sys.argv)["table"])

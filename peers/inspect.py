@@ -1,0 +1,116 @@
+"""`swarm config show` and `--dry-run`: what a peer would run, checked, without training.
+
+`show_config` prints the resolved config (file, then overrides, `diloco.delay: auto` resolved) as YAML with the
+per-peer keys marked, the hash of the run config, and the run's fingerprint (swarm/runid.py) when the corpus
+is prepared. `dry_run` checks everything a peer needs before it trains (its run folder is writable, the
+metrics sinks it asks for are installed, the corpus prepares and opens, its identity file loads or can be
+created, its addresses parse) and prints what it found; for `swarm join`, also whether the run would let
+it in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from swarm.config import Config, is_per_peer, per_peer_keys
+from swarm.errors import SwarmError, UsageError
+from swarm.runid import RunIdentity, run_identity, weights_sha256
+
+
+def _value(value) -> str:
+    text = yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip()
+    return text[:-4].strip() if text.endswith("\n...") else text
+
+
+def show_config(cfg: Config, path: Optional[str], overrides: list[str]) -> str:
+    """The text of `swarm config show`."""
+    lines = [f"# {path or 'defaults'}{f' with overrides {json.dumps(overrides)}' if overrides else ''}"]
+    for section, values in cfg.to_dict().items():
+        whole = is_per_peer(section)
+        lines.append(f"{section}:{'  # per peer' if whole else ''}")
+        for key, value in values.items():
+            mark = "  # per peer" if is_per_peer(f"{section}.{key}") and not whole else ""
+            lines.append(f"  {key}: {_value(value)}{mark}")
+    shared = run_identity_if_prepared(cfg)
+    lines.append(f"# per peer (each peer's own, not part of the run): {', '.join(per_peer_keys())}")
+    if shared is None:
+        lines.append("# fingerprint: needs the prepared corpus (`swarm data prepare` with this config; a peer "
+                     "prepares it at start)")
+    else:
+        lines.append(f"# fingerprint: {shared.fingerprint} (the run config above without the per-peer keys, "
+                     f"corpus sha256 {shared.corpus_sha256[:16]}, initial weights "
+                     f"{shared.weights_sha256[:16] if shared.weights_sha256 else 'a seeded random init'})")
+    return "\n".join(lines)
+
+
+def run_identity_if_prepared(cfg: Config) -> Optional[RunIdentity]:
+    """The run's identity if its corpus is on disk already (nothing is tokenized to show a config)."""
+    from swarm.config import shared_config
+    from swarm.tokens import corpus_folder
+
+    meta = corpus_folder(cfg.data) / "meta.json"
+    if not meta.exists():
+        return None
+    return RunIdentity(shared_config(cfg), json.loads(meta.read_text())["sha256"],
+                       weights_sha256(cfg.model.pretrained))
+
+
+def _writable(folder: Path, option: str) -> None:
+    """UsageError naming `option` unless `folder` exists writable or can be created."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)):
+        raise UsageError(f"{option} {folder}: cannot write there ({existing} is not a writable folder)")
+
+
+def dry_run(cfg: Config, out: Path, networked: bool, run: Optional[RunIdentity] = None) -> int:
+    """Check and print what a peer of `cfg` would start with; exit 0 without training. `run`: the identity of
+    the run it joins (`swarm join`), which its own must match."""
+    from swarm.data import load_corpus
+    from swarm.metrics import check_available
+
+    _writable(out, "--out")
+    check_available(cfg)
+    corpus = load_corpus(cfg.data)
+    meta = corpus.prepared.meta
+    print(f"config: ok (run {cfg.swarm.run_id!r}, {cfg.diloco.rounds} rounds x {cfg.diloco.inner_steps} inner "
+          f"steps, delay {cfg.diloco.delay}, {cfg.diloco.fragments} fragment(s))")
+    print(f"corpus: {corpus.prepared.folder} ({meta['train_tokens']} train and {meta['eval_tokens']} eval tokens, "
+          f"sha256 {meta['sha256'][:16]})")
+    print(f"run folder: {out} (log.txt, metrics.csv, checkpoint/)")
+    mine = run_identity(cfg, meta["sha256"])
+    if networked:
+        _network(cfg)
+    if run is not None and (difference := mine.first_difference(run)):
+        raise SwarmError(f"run {cfg.swarm.run_id!r} would refuse this peer: {difference}")
+    print(f"fingerprint: {mine.fingerprint}" + (" (the run's)" if run is not None else ""))
+    print("dry run: everything checked, nothing trained")
+    return 0
+
+
+def _network(cfg: Config) -> None:
+    from swarm.net.addresses import unreachable_warning
+    from swarm.net.dht import check_addresses
+    from swarm.net.identity import load_identity
+
+    s = cfg.swarm
+    check_addresses(s)
+    if s.identity is None:
+        print("identity: a fresh key for this start (set swarm.identity to keep one peer id across restarts)")
+    elif Path(s.identity).exists():
+        print(f"identity: {s.identity} (peer id {load_identity(s.identity).peer_id})")
+    else:
+        _writable(Path(s.identity).parent, "swarm.identity")
+        print(f"identity: {s.identity} (created at start)")
+    print(f"listens on: {' '.join(s.host_maddrs)}" + (f", announces {' '.join(s.announce_maddrs)}"
+                                                       if s.announce_maddrs else ""))
+    announced = s.announce_maddrs or [m for m in s.host_maddrs if "/0.0.0.0/" not in m]
+    if announced and (warning := unreachable_warning(announced, s.client_mode)):
+        print(f"warning: {warning}")
+    print(f"initial peers: {' '.join(s.initial_peers) or 'none: it starts a new swarm'}")

@@ -1,0 +1,69 @@
+"""`swarm data prepare`: tokenize a config's corpus once into token files (swarm/tokens.py), with a progress line;
+on a corpus already prepared, check its token files against their hash."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Optional
+
+from tqdm import tqdm
+
+from swarm.config import DataConfig
+from swarm.data import build_tokenizer, check_vocabulary, load_corpus
+from swarm.errors import UsageError
+from swarm.tokens import corpus_folder
+
+log = logging.getLogger("swarm.data")
+
+
+def run_prepare(cfg: DataConfig, model_vocab: Optional[int] = None) -> int:
+    """Prepare (or verify) the corpus of `cfg`; `model_vocab`: the config's model.vocab_size, which the
+    tokenizer must fit."""
+    check_vocabulary(build_tokenizer(cfg), model_vocab, cfg)
+    folder, start = corpus_folder(cfg), time.perf_counter()
+    done = (folder / "meta.json").exists()
+    with tqdm(desc="tokenizing", unit=" docs", disable=done) as bar:
+        def progress(documents: int, tokens: int) -> None:
+            bar.update(documents - bar.n)
+            bar.set_postfix_str(f"{tokens / 1e6:.1f}M tokens")
+
+        corpus = load_corpus(cfg, cache=False, verify=done, progress=progress)
+    meta = corpus.prepared.meta
+    what = "verified" if done else f"prepared in {time.perf_counter() - start:.1f}s"
+    print(f"{what}: {folder}\n{meta['documents']} documents, {meta['train_tokens']} train and {meta['eval_tokens']} "
+          f"eval tokens ({meta['dtype']}), sha256 {meta['sha256'][:16]}")
+    return 0
+
+
+CORPUS_KEYS = ("source", "dataset", "dataset_config", "split", "text_field", "tokenizer", "max_documents",
+               "eval_fraction", "seed")
+"""The `data.*` keys that decide a corpus's tokens (swarm/tokens.py corpus_key), those a prepare command needs."""
+
+
+def prepare_command(cfg: DataConfig) -> str:
+    """The `swarm data prepare` command that prepares the corpus of `cfg` where a peer with `cfg` looks."""
+    default = DataConfig()
+    flags = [f"--data.{k} {getattr(cfg, k)}" for k in CORPUS_KEYS if getattr(cfg, k) != getattr(default, k)]
+    if cfg.cache_dir is not None:
+        flags.append(f"--data.cache_dir {cfg.cache_dir}")
+    return " ".join(["swarm data prepare", *flags])
+
+
+def check_corpus_here(cfg: DataConfig, run_id: str, corpus_sha256: str) -> None:
+    """Before `swarm join` starts a peer: if the run's corpus is not prepared here, UsageError (exit 2) saying
+    how to get it when its files (or its tokenizer's) are not on this machine; otherwise a line saying that it
+    will be prepared first (what `prepare_command` would do)."""
+    from swarm.data import is_local
+
+    if (corpus_folder(cfg) / "meta.json").exists():
+        return
+    wanted = f"run {run_id!r} trains on corpus sha256 {corpus_sha256[:16] or '?'}"
+    for what, name in (("dataset", cfg.dataset if cfg.source == "hf" else None), ("tokenizer", cfg.tokenizer)):
+        if name and name != "bytes" and is_local(name) and not Path(name).expanduser().exists():
+            raise UsageError(f"{wanted}, from {what} {name}, which is not on this machine: copy it to {name} (the "
+                             f"path is the run's) and join again, or prepare it ahead with: {prepare_command(cfg)}")
+    source = "the embedded corpus" if cfg.source == "embedded" else f"dataset {cfg.dataset}"
+    log.info("%s, from %s, not prepared here yet: preparing it first (as `%s` does)", wanted, source,
+             prepare_command(cfg))

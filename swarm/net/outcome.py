@@ -1,0 +1,58 @@
+"""One call of `SwarmAverager.average` (peer.py): what it was given, its bounds, and the outcomes it can end
+in: averaged with a group, alone, behind the swarm, or discarded at its deadline."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from swarm.averaging import RoundOutcome
+from swarm.diloco import PseudoGradient
+from swarm.net.allreduce import WireLayout
+from swarm.net.matchmaking import Group
+from swarm.net.wire import Traffic
+
+
+@dataclass
+class Averaging:
+    """One call of `average`: what it was given, its bounds, and why its last attempt failed."""
+
+    outer_step: int
+    pseudo_grad: PseudoGradient
+    samples: int
+    out: Sequence[torch.Tensor]
+    base: str
+    full: WireLayout  # the whole vector, one owner: its size and wire bytes
+    meta: dict  # our matchmaking metadata
+    start: float = field(default_factory=time.monotonic)
+    deadline: float = 0.0  # budget.round_deadline from `start`
+    residual: Optional[list[torch.Tensor]] = None  # swarm.error_feedback with a lossy codec
+    reason: str = "the round's deadline is too short for one attempt"
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def behind(self, donors: list[str], note: str) -> RoundOutcome:
+        """The swarm moved past us or holds other parameters: take its state (from `donors`), average nothing."""
+        return RoundOutcome(None, comm_s=self.elapsed(), behind=True, donors=donors, note=note)
+
+    def alone(self) -> RoundOutcome:
+        """Our own pseudo-gradient as the round's average."""
+        for i, o in enumerate(self.out):
+            o.copy_(self.pseudo_grad.read(i, 0, o.numel()).view(o.shape))
+        return RoundOutcome(self.out, total_samples=self.samples, comm_s=self.elapsed(), note="alone")
+
+    def averaged(self, group: Group, traffic: Traffic, allreduce_s: float) -> RoundOutcome:
+        """The group's average, in `out` on every member."""
+        return RoundOutcome(self.out, group_size=len(group.members), residual=self.residual,
+                            total_samples=sum(int(m.get("samples", 0)) for m in group.metas),
+                            bytes_sent=traffic.sent, bytes_received=traffic.received, comm_s=self.elapsed(),
+                            allreduce_s=allreduce_s, note=f"group of {len(group.members)}")
+
+    def discarded(self) -> RoundOutcome:
+        return RoundOutcome(None, comm_s=self.elapsed(),
+                            note=f"outer step {self.outer_step + 1} discarded after {self.elapsed():.0f} s "
+                                 f"(the round's deadline, budget.round_deadline): {self.reason}")

@@ -1,0 +1,198 @@
+"""Sharded peers (`inner.parallel: fsdp` with `--nproc-per-node K`): FSDP2 inside the peer, and outer state in
+shards, one swarm endpoint.
+
+Inner steps: `shard_model` applies FSDP2's `fully_shard` to every transformer block and then to the root, so
+each of the K ranks holds 1/K of every parameter (rows of dim 0, `torch.chunk`'s cut: rank r holds rows
+[r * c, min(n, (r + 1) * c)) of a tensor of n rows, c = ceil(n / K), maybe none), of its gradient and of its
+AdamW moments. Each rank trains on its rows of the peer's batch (as under DDP) and FSDP's reduce-scatter takes
+the mean of the ranks' gradients, so K ranks take the step one process takes on the whole batch (up to float
+rounding).
+
+Outer state: every rank's `DiLoCo` holds the global parameters and the outer momentum of its own rows only, and
+computes its rows of the pseudo-gradient and of the outer step (SGD is elementwise, so the rows of the full
+step are the step of the rows). A row block of a row-major tensor is a contiguous range of its flat elements
+(`Layout.span`), so the canonical layout of the state (the full tensors, in the model's order) is the same for
+every K: peers of any K, sharded or not, average together and commit the same bytes.
+
+The exchange: rank 0 stays the peer's one swarm endpoint (swarm/ranks.py). At an exchange's launch the ranks
+`gather` the fragment's pseudo-gradient to rank 0 one tensor at a time (node-local transfer), rank 0 averages
+it with the swarm, and at the settle it `scatter`s the average back, one tensor at a time, so that each rank
+takes the outer step on its own rows. Rank 0 holds, while an exchange is in flight, the full pseudo-gradient of
+the fragment and its average (8 bytes per parameter of the fragment: `diloco.fragments` F cuts it to 1/F);
+no rank ever holds the full global parameters, momentum or moments.
+
+The hash of the global parameters (`sha256`) is the same sha256 over the same bytes as an unsharded peer's: rank
+0 feeds it each tensor, gathered one at a time, and tells the others the digest. It is a collective: every rank
+computes it at the same point (after each outer step, and where the state changed).
+
+One rank (K = 1): `inner.parallel: fsdp` is the same as no sharding (nothing to shard over); `shard_model`
+returns None and the peer trains unsharded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from swarm.errors import UsageError
+
+BLOCK_LISTS = ("layers", "h", "blocks")  # attribute names of a model's list of transformer blocks
+MMAP_THRESHOLD = 1 << 16  # bytes: glibc serves larger allocations from mmap, returned to the kernel when freed
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def return_freed_memory() -> None:
+    """Fix glibc's mmap threshold for this process. By default every freed mmap'd buffer raises it (up to 32 MB),
+    so the buffers FSDP gathers and frees block after block, and the exchange's, end up in the heap, where freed
+    memory stays resident: measured on a 57M-parameter model (bench/shards.py), a rank of K = 2 peaked at 1.66
+    GB instead of 1.03 GB. Elsewhere (not glibc) nothing is changed."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The canonical shapes of a peer's state tensors (DiLoCo's order) and which rows of each a rank holds."""
+
+    shapes: tuple[torch.Size, ...]
+    world_size: int = 1
+    rank: int = 0
+
+    @property
+    def numels(self) -> list[int]:
+        return [math.prod(s) for s in self.shapes]
+
+    def rows(self, index: int, rank: Optional[int] = None) -> tuple[int, int]:
+        """Rows [start, end) of dim 0 of tensor `index` that `rank` (default: this one) holds."""
+        rank = self.rank if rank is None else rank
+        n = self.shapes[index][0] if self.shapes[index] else 1
+        per = -(-n // self.world_size)
+        return min(n, rank * per), min(n, (rank + 1) * per)
+
+    def span(self, index: int, rank: Optional[int] = None) -> tuple[int, int]:
+        """The flat elements [start, end) of tensor `index` that `rank` holds: its rows, contiguous."""
+        shape = self.shapes[index]
+        row = math.prod(shape[1:]) if shape else 1
+        start, end = self.rows(index, rank)
+        return start * row, end * row
+
+    def padded(self, index: int) -> int:
+        """Elements of the largest shard of tensor `index` (collectives move equal sizes)."""
+        return max(b - a for a, b in (self.span(index, r) for r in range(self.world_size)))
+
+    def local_shape(self, index: int) -> torch.Size:
+        start, end = self.rows(index)
+        return torch.Size([end - start, *self.shapes[index][1:]])
+
+
+def find_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's list of transformer blocks: UsageError (exit 2) naming the model if it has none to shard by,
+    or if a block shares a parameter with the rest of the model (FSDP cannot cut a tied weight in two groups)."""
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)
+             and name.rpartition(".")[2] in BLOCK_LISTS and len(m) > 0]
+    if not lists:
+        raise UsageError(f"inner.parallel fsdp: {type(model).__name__} has no list of transformer blocks to shard "
+                         f"(a ModuleList named {' or '.join(BLOCK_LISTS)}); use inner.parallel ddp")
+    prefix, blocks = lists[0]
+    inside = {id(p) for p in blocks.parameters()}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in inside and not name.startswith(prefix + "."):
+            raise UsageError(f"inner.parallel fsdp: parameter {name} is tied to a transformer block's: the blocks of "
+                             f"{type(model).__name__} cannot be sharded one by one; use inner.parallel ddp")
+    return blocks
+
+
+def shard_model(model: torch.nn.Module, parallel: str, world_size: int) -> bool:
+    """FSDP2 on `model` in place (each block, then the root) if `parallel` is fsdp over more than one rank; returns
+    whether it did. Call it before an optimizer or a `DiLoCo` is built on the model's parameters."""
+    if parallel != "fsdp" or world_size <= 1:
+        return False
+    from torch.distributed.fsdp import fully_shard
+
+    return_freed_memory()
+    for block in find_blocks(model):
+        fully_shard(block)
+    fully_shard(model)
+    return True
+
+
+def local_params(model: torch.nn.Module) -> list[torch.Tensor]:
+    """This rank's rows of each trainable parameter of a sharded model: views of the FSDP shards (what the inner
+    optimizer steps), so that writing them moves the model."""
+    with torch.no_grad():
+        return [p.to_local() for p in model.parameters() if p.requires_grad]
+
+
+class Shards:
+    """The collectives between the ranks of a sharded peer, over `layout`: one tensor at a time, on the CPU
+    (gloo) group of swarm/ranks.py."""
+
+    def __init__(self, layout: Layout, group: Any = None):
+        self.layout, self.group = layout, group
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, rank: int, world_size: int, group: Any = None) -> Shards:
+        """The layout of a model `shard_model` sharded (checked against the shards FSDP gave this rank)."""
+        full = [p for p in model.parameters() if p.requires_grad]
+        layout = Layout(tuple(p.shape for p in full), world_size, rank)
+        for i, local in enumerate(local_params(model)):
+            if local.shape != layout.local_shape(i):
+                raise RuntimeError(f"FSDP gave rank {rank} a shard {list(local.shape)} of parameter {i} "
+                                   f"{list(full[i].shape)}, expected {list(layout.local_shape(i))}")
+        return cls(layout, group)
+
+    @property
+    def root(self) -> bool:
+        return self.layout.rank == 0
+
+    def gather(self, index: int, local: torch.Tensor) -> Optional[torch.Tensor]:
+        """Tensor `index` whole (flat, fp32, CPU) on rank 0 from every rank's `local` rows; None on the others."""
+        layout, padded = self.layout, self.layout.padded(index)
+        mine = torch.zeros(padded, dtype=torch.float32)
+        flat = local.detach().reshape(-1)
+        mine[:flat.numel()] = flat.to("cpu", torch.float32)
+        if not self.root:
+            dist.gather(mine, None, dst=0, group=self.group)
+            return None
+        buffer = torch.empty(layout.world_size * padded, dtype=torch.float32)
+        dist.gather(mine, list(buffer.view(layout.world_size, padded)), dst=0, group=self.group)
+        return buffer[:layout.numels[index]]  # shards are padded at the end only (module docstring)
+
+    def scatter(self, index: int, full: Optional[torch.Tensor], out: torch.Tensor) -> None:
+        """Every rank's rows of tensor `index` (whole on rank 0, `full`; None elsewhere) into its `out`."""
+        layout, padded = self.layout, self.layout.padded(index)
+        mine = torch.empty(padded, dtype=torch.float32)
+        parts = None
+        if self.root:
+            buffer = torch.zeros(layout.world_size * padded, dtype=torch.float32)
+            buffer[:layout.numels[index]] = full.reshape(-1).to("cpu", torch.float32)
+            parts = list(buffer.view(layout.world_size, padded))
+        dist.scatter(mine, parts, src=0, group=self.group)
+        with torch.no_grad():
+            out.view(-1).copy_(mine[:out.numel()].to(out.device, out.dtype))
+
+    def all_true(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank."""
+        box = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(box.item())
+
+    def sha256(self, tensors: Sequence[torch.Tensor]) -> str:
+        """sha256 of the bytes of the whole tensors whose rows `tensors` are (every rank at once): the hash an
+        unsharded peer takes of the same values. Rank 0 holds one whole tensor at a time."""
+        digest = hashlib.sha256() if self.root else None
+        for i, t in enumerate(tensors):
+            whole = self.gather(i, t)
+            if digest is not None:
+                digest.update(memoryview(whole.numpy()).cast("B"))
+        box = [digest.hexdigest() if digest is not None else None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]

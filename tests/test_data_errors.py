@@ -1,0 +1,86 @@
+"""Bad data input at the command line (`swarm data prepare`, `sim`, `local`, `join`): one line naming the culprit,
+exit 2 for what the user gave, 1 for files the world damaged; a damaged corpus is never trained on."""
+
+import os
+
+import pytest
+
+from peers.prepare import check_corpus_here, prepare_command
+from swarm.configfile import load_config
+from swarm.errors import UsageError
+from tests.test_cli_errors import one_line_error
+
+pytestmark = pytest.mark.timeout(90)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+def prepare(cli, tmp_path, *extra):
+    return cli("data", "prepare", "--config", "configs/tiny.yaml", "--data.cache_dir", str(tmp_path / "cache"), *extra)
+
+
+def lines(tmp_path, n=80):
+    (tmp_path / "txt").mkdir(exist_ok=True)
+    (tmp_path / "txt" / "a.txt").write_text("".join(f"line {i} of a small corpus for tests\n" for i in range(n)))
+    return ["--data.source", "hf", "--data.dataset", str(tmp_path / "txt")]
+
+
+def test_a_corpus_path_that_does_not_exist_exits_2_naming_it(cli, tmp_path):
+    result = prepare(cli, tmp_path, "--data.source", "hf", "--data.dataset", str(tmp_path / "nowhere"))
+    assert result.returncode == 2
+    assert f"cannot read dataset {tmp_path / 'nowhere'}: no such file or directory" in one_line_error(result)
+
+
+def test_records_without_the_text_field_exit_2_naming_it(cli, tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"body": "one"}\n{"body": "two"}\n')
+    result = prepare(cli, tmp_path, "--data.source", "hf", "--data.dataset", str(tmp_path / "d.jsonl"))
+    assert result.returncode == 2
+    assert "records have no field 'text' (fields: ['body'])" in one_line_error(result)
+
+
+def test_a_tokenizer_larger_than_the_model_s_vocabulary_exits_2_naming_both(cli, tmp_path):
+    result = prepare(cli, tmp_path, "--model.vocab_size", "100")
+    assert result.returncode == 2
+    assert "data.tokenizer bytes has 256 symbols, more than model.vocab_size 100" in one_line_error(result)
+
+
+def test_truncated_tampered_and_unreadable_token_files_exit_1_naming_the_folder(cli, tmp_path):
+    data = lines(tmp_path)
+    assert prepare(cli, tmp_path, *data).returncode == 0
+    folder = next(p for p in (tmp_path / "cache").iterdir() if p.is_dir())
+    tokens = (folder / "train.bin").read_bytes()
+    (folder / "train.bin").write_bytes(tokens[:-3])
+    result = prepare(cli, tmp_path, *data)
+    assert result.returncode == 1 and f"prepared corpus {folder} is unreadable: train.bin holds" in one_line_error(result)
+    (folder / "train.bin").write_bytes(tokens[:-3] + b"abc")  # the same size: caught by its hash
+    result = cli("sim", "--config", "configs/tiny.yaml", "--data.cache_dir", str(tmp_path / "cache"), *data,
+                 "--out", str(tmp_path / "sim"))
+    assert result.returncode == 1 and f"prepared corpus {folder} fails its hash" in one_line_error(result)
+    assert not (tmp_path / "sim" / "summary.json").exists()  # not trained on
+    (folder / "meta.json").write_text("{not json")
+    result = prepare(cli, tmp_path, *data)
+    assert result.returncode == 1 and f"prepared corpus {folder} is unreadable" in one_line_error(result)
+
+
+@pytest.mark.parametrize("command", [["sim", "--replicas", "3"], ["local", "--peers", "2", "--join", "2"]])
+def test_fewer_shards_than_the_peers_that_need_one_exits_2(cli, command):
+    result = cli(*command, "--config", "configs/tiny.yaml", "--data.num_shards", "2")
+    assert result.returncode == 2
+    assert "need" in one_line_error(result) and "data.num_shards is 2" in one_line_error(result)
+
+
+def test_a_joiner_without_the_run_s_corpus_is_told_how_to_get_it(tmp_path):
+    cfg = load_config("configs/tiny.yaml", {"data": {"source": "hf", "dataset": str(tmp_path / "corpus"),
+                                                     "cache_dir": str(tmp_path / "cache"), "seed": 3}}).data
+    with pytest.raises(UsageError) as refused:
+        check_corpus_here(cfg, "run-x", "ab" * 32)
+    assert str(refused.value) == (
+        f"run 'run-x' trains on corpus sha256 {'ab' * 8}, from dataset {tmp_path / 'corpus'}, which is not on this "
+        f"machine: copy it to {tmp_path / 'corpus'} (the path is the run's) and join again, or prepare it ahead "
+        f"with: {prepare_command(cfg)}")
+    assert prepare_command(cfg) == (f"swarm data prepare --data.source hf --data.dataset {tmp_path / 'corpus'} "
+                                    f"--data.seed 3 --data.cache_dir {tmp_path / 'cache'}")
+    lines(tmp_path)
+    (tmp_path / "txt").rename(tmp_path / "corpus")
+    check_corpus_here(cfg, "run-x", "ab" * 32)  # on this machine: it is prepared first, as the command would

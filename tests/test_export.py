@@ -1,0 +1,115 @@
+"""`swarm export`: a peer's committed global parameters as a Hugging Face folder that transformers loads."""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from swarm.averaging import SoloAverager
+from swarm.checkpoint import Checkpointer
+from swarm.cli import main
+from swarm.errors import UsageError
+from swarm.export import export_hf
+from swarm.tensorfile import read_header
+from swarm.trainer import Trainer
+from tests.conftest import tiny_config
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A solo peer's folder after two committed rounds, and its trainer."""
+    out = tmp_path_factory.mktemp("peer")
+    cfg = tiny_config(diloco={"rounds": 2, "inner_steps": 2})
+    trainer = Trainer(cfg, SoloAverager(), "a", shard=0, out_dir=out)
+    trainer.train()
+    return out, trainer
+
+
+def test_the_exported_folder_loads_in_transformers_and_gives_the_swarm_model_s_logits(trained, tmp_path):
+    out, trainer = trained
+    assert export_hf(out, tmp_path / "hf") == tmp_path / "hf"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "def f(x):\n    return x + 1  # é"
+    ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    assert ids[0].tolist() == list(text.encode())  # byte tokens: the same ids as the swarm's ByteTokenizer
+    assert tokenizer.decode(ids[0]) == text
+    swarm_model = trainer.model
+    with torch.no_grad():
+        for p, g in zip(trainer.diloco.params, trainer.diloco.global_params):
+            p.copy_(g)  # the committed global parameters, which the export holds
+        expected = swarm_model(ids).logits
+        got = model(ids).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    assert model.generation_config.eos_token_id == 0
+    generated = model.generate(**tokenizer("def ", return_tensors="pt"), max_new_tokens=4, do_sample=False)
+    assert generated.shape == (1, 8)
+
+
+def test_export_refuses_a_folder_without_a_checkpoint_and_a_non_empty_target(trained, tmp_path):
+    out, _ = trained
+    with pytest.raises(UsageError, match=rf"no complete checkpoint in {tmp_path}"):
+        export_hf(tmp_path, tmp_path / "hf")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    with pytest.raises(UsageError, match=r"--hf-out .*taken exists and is not empty \(pass --force"):
+        export_hf(out, tmp_path / "taken")
+    assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"  # nothing lost
+    export_hf(out, tmp_path / "taken", dtype="bf16", force=True)
+    assert not (tmp_path / "taken" / "keep.txt").exists()
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "taken").dtype == torch.bfloat16
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no partial folder left
+
+
+def test_a_corrupt_checkpoint_is_refused_naming_it_and_nothing_is_written(trained, tmp_path):
+    out, _ = trained
+    broken = tmp_path / "round-000002"
+    shutil.copytree(out / "checkpoint" / "round-000002", broken)
+    with open(broken / "global.safetensors", "rb") as f:
+        at = read_header(f)[1]["global.model.norm.weight"].start  # a global parameter: what export reads
+    data = (broken / "global.safetensors").read_bytes()
+    (broken / "global.safetensors").write_bytes(data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1:])
+    with pytest.raises(UsageError, match=r"corrupt checkpoint .*round-000002: global.model.norm.weight fails its"):
+        export_hf(broken, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    assert Checkpointer(out / "checkpoint").read_meta()["round"] == 2
+
+
+def test_cli_export_prints_where_and_how_to_load_it(trained, tmp_path, capsys):
+    out, _ = trained
+    with pytest.raises(SystemExit) as exit:
+        main(["export", str(out), "--hf-out", str(tmp_path / "hf")])
+    assert exit.value.code == 0
+    printed = capsys.readouterr().out
+    assert f"wrote {tmp_path / 'hf'}" in printed and "from_pretrained" in printed
+    with pytest.raises(SystemExit) as exit:
+        main(["export", str(tmp_path / "nowhere"), "--hf-out", str(tmp_path / "hf2")])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.strip().startswith("swarm: error: no complete checkpoint in")
+
+
+def test_the_printed_snippet_runs(trained, tmp_path):
+    from swarm.export import usage_snippet
+
+    out, _ = trained
+    export_hf(out, tmp_path / "hf")
+    snippet = usage_snippet(tmp_path / "hf").replace("max_new_tokens=64", "max_new_tokens=2")
+    result = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("def ")
+
+
+@pytest.mark.parametrize("args, error", [
+    ([], "swarm export takes a SOURCE (a peer's folder) or --from-swarm RUN, one of them"),
+    (["runs/x", "--from-swarm", "r", "--initial-peers", "/ip4/127.0.0.1/tcp/1"], "swarm export takes a SOURCE"),
+    (["--from-swarm", "r"], "--from-swarm RUN and --initial-peers MADDR ... go together"),
+    (["runs/x", "--initial-peers", "/ip4/127.0.0.1/tcp/1"], "--from-swarm RUN and --initial-peers"),
+])
+def test_export_takes_a_source_or_the_swarm(args, error, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["export", *args, "--hf-out", str(tmp_path / "hf")])
+    assert exit.value.code == 2 and capsys.readouterr().err.startswith(f"swarm: error: {error}")
+    assert not (tmp_path / "hf").exists()

@@ -1,0 +1,203 @@
+"""Sharded peers (swarm/sharding.py, `inner.parallel: fsdp`): the row layout of shards, the models that cannot be
+sharded and the configs that are refused, and a peer of two FSDP ranks training as one process does."""
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from peers.local_swarm import parse_ranks
+from swarm import accounting, shard_state
+from swarm.averaging import SoloAverager
+from swarm.config import ConfigError, shared_config
+from swarm.configfile import load_config
+from swarm.diloco import DiLoCo
+from swarm.errors import UsageError
+from swarm.export import export_hf
+from swarm.model import build_model, count_parameters
+from swarm.sharding import Layout, find_blocks, shard_model
+from swarm.state import TensorSpec
+from swarm.trainer import Trainer
+from tests.conftest import ROOT, tiny_config
+from tests.swarm_harness import SMALL
+
+SECTIONS = dict(model={"num_layers": 2}, diloco={"rounds": 2, "inner_steps": 3}, checkpoint={"every": 0},
+                data={"shard": 0})
+
+
+def overrides(sections: dict) -> list[str]:
+    """`sections` (and tiny_config's own) as the command line's --section.key VALUE."""
+    cfg = tiny_config(**sections)
+    args = []
+    for section, keys in [("model", ["hidden_size", "num_layers", "num_heads", "intermediate_size", "max_seq_len"]),
+                          ("data", ["seq_len", "batch_size", "eval_batches", "max_documents", "shard"]),
+                          ("inner", ["warmup_steps"]), ("diloco", ["rounds", "inner_steps", "delay", "fragments", "threads"]),
+                          ("checkpoint", ["every"])]:
+        for key in keys:
+            args += [f"--{section}.{key}", str(getattr(getattr(cfg, section), key))]
+    return [*args, "--logging.progress_bar", "false"]
+
+
+def test_each_rank_holds_the_rows_torch_chunk_gives_it():
+    layout = Layout((torch.Size([5, 3]), torch.Size([1]), torch.Size([8])), world_size=4)
+    for i, shape in enumerate(layout.shapes):
+        chunks = torch.arange(layout.numels[i]).view(shape).chunk(4)
+        for rank in range(4):
+            start, end = layout.span(i, rank)
+            got = chunks[rank].reshape(-1).tolist() if rank < len(chunks) else []
+            assert list(range(start, end)) == got
+    assert [layout.rows(0, r) for r in range(4)] == [(0, 2), (2, 4), (4, 5), (5, 5)]
+    assert layout.padded(0) == 6 and Layout(layout.shapes, 4, 3).local_shape(0) == torch.Size([0, 3])
+
+
+def test_models_without_blocks_to_shard_and_bad_configs_are_refused():
+    with pytest.raises(UsageError, match="Sequential has no list of transformer blocks"):
+        find_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+            self.head = torch.nn.Linear(2, 2)
+            self.head.weight = self.layers[0].weight
+
+    with pytest.raises(UsageError, match="parameter head.weight is tied to a transformer block's"):
+        find_blocks(Tied())
+    # one rank: nothing to shard over, the same as no sharding
+    assert not shard_model(torch.nn.Sequential(), "fsdp", 1)
+    with pytest.raises(ConfigError, match="inner.optimizer adamw8bit cannot step the sharded parameters"):
+        tiny_config(inner={"parallel": "fsdp", "optimizer": "adamw8bit"})
+    with pytest.raises(ConfigError, match="inner.parallel: 'zero3' is not one of"):
+        tiny_config(inner={"parallel": "zero3"})
+    # a peer's own business: sharded and unsharded peers are peers of one run
+    assert shared_config(tiny_config(inner={"parallel": "fsdp"})) == shared_config(tiny_config())
+
+
+def test_two_fsdp_ranks_train_like_one_process(tmp_path, swarm_cmd):
+    """K = 2 sharded ranks against one process in this one (K = 4 too, measured in the commit: too slow for 2
+    cores here), delayed exchanges of two fragments: gathered to rank 0, scattered back, outer steps on the shards,
+    the local model moved under FSDP between inner steps and evals. Blocking rounds: the local swarm's test."""
+    sections = {**SECTIONS, "diloco": {"rounds": 2, "inner_steps": 4, "delay": 1, "fragments": 2}}
+    # named as a --solo peer is: the batch order is seeded by the peer's name (swarm/data.py)
+    one = Trainer(tiny_config(**sections), SoloAverager(), "solo", shard=0, out_dir=tmp_path / "one").train()
+    out = tmp_path / "two"
+    result = swarm_cmd("peer", "--config", "configs/tiny.yaml", "--solo", "--nproc-per-node", "2", "--out", str(out),
+                       "--inner.parallel", "fsdp", *overrides(sections), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (peer,) = json.loads((out / "summary.json").read_text())["peers"]
+    assert peer["nproc"] == 2
+    assert peer["train_loss"] == pytest.approx([r.train_loss for r in one.rounds], abs=1e-5)
+    assert peer["eval_loss"] == pytest.approx([r.eval_loss for r in one.rounds], abs=1e-5)
+    hashes = [json.loads(p.read_text())["global_sha256"] for p in sorted((out / "ranks").glob("rank-*.json"))]
+    assert hashes == [peer["final_global_sha256"]] * 2
+
+
+@pytest.mark.parametrize("spec, count, plan", [
+    ("2", 3, [(2, None)] * 3),
+    ("1,2:fsdp,2:ddp", 3, [(1, None), (2, "fsdp"), (2, "ddp")]),
+    ("1, 4:fsdp", 2, [(1, None), (4, "fsdp")]),
+])
+def test_a_local_swarm_takes_ranks_per_peer(spec, count, plan):
+    assert parse_ranks(spec, count) == plan
+
+
+@pytest.mark.parametrize("spec, count, error", [
+    ("1,2", 3, "2 entries for 3 peers"),
+    ("2:zero", 1, "'2:zero' is not K, K:ddp or K:fsdp"),
+    ("0", 2, "'0' is not K"),
+])
+def test_a_local_swarm_refuses_ranks_that_do_not_parse(spec, count, error):
+    with pytest.raises(UsageError, match=error):
+        parse_ranks(spec, count)
+
+
+def test_a_mixed_swarm_of_sharded_and_unsharded_peers_commits_one_hash(tmp_path, swarm_cmd):
+    """One single-process peer, one of two FSDP ranks, one of two DDP ranks: the same canonical layout, one group,
+    one hash on every rank of every peer (blocking rounds; the solo test covers delayed ones). A peer of two FSDP
+    ranks joins at round 2: it takes a donor's whole state (gathered from the shards of a sharded donor, or an
+    unsharded one's) into its own shards, and ends on the same hash."""
+    result = swarm_cmd("local", "--config", "configs/tiny.yaml", "--peers", "3", "--join", "2", "--nproc-per-node",
+                       "1,2:fsdp,2:ddp,2:fsdp", "--rounds", "3", "--no-monitor", "--out", str(tmp_path), *SMALL,
+                       "--diloco.inner_steps", "3", "--data.batch_size", "4", "--checkpoint.every", "0", timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    peers = {p["name"]: p for p in json.loads((tmp_path / "summary.json").read_text())["peers"]}
+    (final,) = {p["final_global_sha256"] for p in peers.values()}
+    assert [peers[f"peer-{i}"]["nproc"] for i in range(4)] == [1, 2, 2, 2]
+    assert all(p["rounds_completed"] == 3 for p in peers.values()), peers
+    assert peers["peer-1"]["rounds"][0]["group_size"] == 3
+    assert "state_downloaded" in [e["event"] for e in peers["peer-3"]["events"]]
+    for name in ("peer-1", "peer-2", "peer-3"):
+        assert [json.loads(p.read_text())["global_sha256"] for p in (tmp_path / name / "ranks").glob("*.json")] \
+            == [final] * 2
+
+
+def test_a_killed_sharded_peer_resumes_exactly_and_its_checkpoint_reshards(tmp_path, swarm_cmd):
+    """Each rank writes its rows (pieces of one checkpoint); a rank killed mid-round takes the peer down, and the
+    rerun resumes from the last complete checkpoint: one hash on both ranks, the losses of one process. That
+    checkpoint read by one process (whole tensors from two ranks' pieces) is the same bytes, and exports."""
+    sections = {**SECTIONS, "diloco": {"rounds": 3, "inner_steps": 3}, "checkpoint": {"every": 1}}
+    out = tmp_path / "two"
+    cmd = ["peer", "--config", "configs/tiny.yaml", "--solo", "--nproc-per-node", "2", "--out", str(out),
+           "--inner.parallel", "fsdp", *overrides(sections)]
+    killed = swarm_cmd(*cmd, "--faults.kill_round", "3", "--faults.kill_rank", "1", timeout=120)
+    assert killed.returncode != 0 and not (out / "summary.json").exists()
+    index = json.loads(next((out / "checkpoint").glob("round-*/index.json")).read_text())
+    assert {p["file"] for p in index["tensors"]["global.model.embed_tokens.weight"]["pieces"]} == {
+        "global-00001-of-00002.safetensors", "global-00002-of-00002.safetensors"}
+    resumed = swarm_cmd(*cmd, timeout=120)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
+    (peer,) = json.loads((out / "summary.json").read_text())["peers"]
+    hashes = [json.loads(p.read_text())["global_sha256"] for p in sorted((out / "ranks").glob("rank-*.json"))]
+    assert hashes == [peer["final_global_sha256"]] * 2
+    one = Trainer(tiny_config(**sections), SoloAverager(), "solo", shard=0, out_dir=tmp_path / "one").train()
+    assert peer["train_loss"] == pytest.approx([r.train_loss for r in one.rounds], abs=1e-5)
+
+    alone = tmp_path / "alone"
+    shutil.copytree(out / "checkpoint", alone / "checkpoint")
+    reader = Trainer(tiny_config(**sections), SoloAverager(), "alone", shard=0, out_dir=alone)
+    assert reader.train().final_global_sha256 == peer["final_global_sha256"]
+    exported = load_file(export_hf(out, tmp_path / "hf") / "model.safetensors")
+    for name, p in reader.model.named_parameters():
+        assert torch.equal(exported[name], p.detach()), name
+
+
+def test_the_30b_recipe_is_its_accounting_on_the_meta_device():
+    """configs/llama-30b.yaml's architecture, built on the meta device (no memory), has the parameters and blocks
+    swarm/accounting.py counts, and the memory table of its comments: a sharded peer of 8 ranks fits 80 GB GPUs,
+    an unsharded one does not; at 1 Gbit/s its delayed fragments hide the exchange."""
+    cfg = load_config(ROOT / "configs" / "llama-30b.yaml")
+    shapes = accounting.shapes_of(cfg, 256)
+    with torch.device("meta"):
+        model = build_model(cfg.model, 256, cfg.data.tokenizer)
+    blocks = find_blocks(model)
+    assert count_parameters(model) == shapes.params and 32e9 < shapes.params < 33e9
+    assert len(blocks) == 60 and max(count_parameters(b) for b in blocks) == shapes.block_params
+    gib = {k: round(v / 2**30, 1) for k, v in accounting.memory(cfg, shapes, 8, 256).items()}
+    assert gib == {"device_per_rank": 66.9, "host_per_rank": 30.1, "rank0_exchange": 60.2, "host_per_node": 301.0,
+                   "page_cache": 240.8}
+    unsharded = dataclasses.replace(cfg, inner=dataclasses.replace(cfg.inner, parallel="ddp"))
+    assert accounting.memory(unsharded, shapes, 8, 256)["device_per_rank"] > 400 * 2**30
+    step = accounting.step_seconds(cfg, shapes.params, 8, 989e12, 0.4)
+    projected = accounting.round_projection(cfg, shapes.params, step, 125e6, 4)
+    assert round(step, 1) == 21.4 and round(projected["comm_s"]) == 206
+    assert round(projected["utilization_blocking"], 3) == 0.912 and projected["utilization_delayed"] == 1.0
+
+
+def test_a_state_that_is_not_the_canonical_layout_is_refused_before_a_byte_is_written():
+    """What a sharded peer takes from a donor of any K: the whole tensors of swarm/state.py, checked by name, dtype
+    and whole shape (a donor's rows, or another model's tensors, are refused naming the first that differs)."""
+    cfg = tiny_config()
+    model = build_model(cfg.model, 256)
+    diloco = DiLoCo(model, cfg.outer)
+    whole = shard_state.canonical_specs(diloco, momentum=True, adam=True)
+    shard_state.check(diloco, whole)
+    assert whole[0] == TensorSpec("global.0", "float32", tuple(model.model.embed_tokens.weight.shape))
+    rows = [TensorSpec(s.name, s.dtype, (s.shape[0] // 2, *s.shape[1:])) if s.shape else s for s in whole]
+    with pytest.raises(ValueError, match=r"tensor 0 is global.0 float32 \[128, 32\], expected global.0 float32 "
+                                         r"\[256, 32\] \(the canonical layout\)"):
+        shard_state.check(diloco, rows)
+    with pytest.raises(ValueError, match="the state holds 9 tensors, expected"):
+        shard_state.check(diloco, whole[:9])

@@ -1,0 +1,87 @@
+"""Warm start (`model.pretrained`): a run started from an exported folder continues its loss curve; peers share
+the weights' hash, not their path; a folder that is not a model, or does not fit the tokenizer, exits 2."""
+
+import shutil
+
+import pytest
+
+from peers.join import check_overrides
+from swarm.averaging import SoloAverager
+from swarm.cli import main
+from swarm.config import shared_config
+from swarm.configfile import config_from_dict
+from swarm.errors import UsageError
+from swarm.export import export_hf
+from swarm.model import build_model
+from swarm.pretrained import pretrained_sha256
+from swarm.runid import run_identity
+from swarm.trainer import Trainer
+from tests.conftest import ROOT, tiny_config
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A solo run of two rounds, and its export."""
+    root = tmp_path_factory.mktemp("warm")
+    trainer = Trainer(tiny_config(diloco={"rounds": 2, "inner_steps": 3}), SoloAverager(), "a", shard=0,
+                      out_dir=root / "first")
+    trainer.train()
+    return trainer, export_hf(root / "first", root / "model")
+
+
+def warm(folder, **sections):
+    return tiny_config(model={"pretrained": str(folder)}, **sections)
+
+
+@pytest.mark.timeout(120)
+def test_a_run_warm_started_from_an_export_continues_the_loss_curve(exported, tmp_path):
+    first, folder = exported
+    cfg = warm(folder, diloco={"rounds": 2, "inner_steps": 3})
+    second = Trainer(cfg, SoloAverager(), "b", shard=0, out_dir=tmp_path)
+    second.train()
+    end_of_first = first.history.rounds[-1].eval_loss
+    assert second.history.initial_eval_loss == pytest.approx(end_of_first, abs=1e-5)  # where the first run ended
+    assert end_of_first < first.history.initial_eval_loss - 0.3  # (5.44 -> 4.98, seeded)
+    assert second.history.rounds[-1].eval_loss < end_of_first  # and it goes on down
+
+
+def test_peers_share_the_weights_hash_not_their_path(exported, tmp_path):
+    _, folder = exported
+    copy = shutil.copytree(folder, tmp_path / "elsewhere" / "my-copy")
+    here, there = run_identity(warm(folder), "corpus"), run_identity(warm(copy), "corpus")
+    assert here.weights_sha256 == there.weights_sha256 == pretrained_sha256(copy)
+    assert here.fingerprint == there.fingerprint != run_identity(tiny_config(), "corpus").fingerprint
+    # a joiner: the manifest holds no path; it brings its own copy (a per-peer key), or is told to
+    manifest = shared_config(warm(folder))
+    assert "pretrained" not in manifest["model"]
+    assert check_overrides("swarm-tiny", ["--model.pretrained", str(copy)]) == {"model": {"pretrained": str(copy)}}
+    bare = run_identity(config_from_dict(manifest), "corpus")
+    assert bare.first_difference(here) == (f"the run starts from pretrained weights (sha256 "
+                                           f"{here.weights_sha256[:16]}): pass --model.pretrained DIR, this "
+                                           "peer's copy of them")
+    (copy / "config.json").write_text((copy / "config.json").read_text().replace('"rms_norm_eps"', '"rms_norm_ep"'))
+    changed = run_identity(warm(copy), "corpus")  # the same weight files, another model
+    assert changed.first_difference(here).startswith("model.pretrained's weights differ")
+
+
+def test_a_folder_that_is_not_a_model_or_does_not_fit_the_tokenizer_exits_2_naming_it(exported, tmp_path, capsys):
+    _, folder = exported
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "no-type").mkdir()
+    (tmp_path / "no-type" / "config.json").write_text("{}")
+    (tmp_path / "no-weights").mkdir()
+    shutil.copy(folder / "config.json", tmp_path / "no-weights")
+    not_a_model = "is not a Hugging Face model folder: "
+    for name, why in [("nowhere", ": no such folder (a Hugging Face model folder, e.g. one `swarm export` wrote)"),
+                      ("empty", f" {not_a_model}its config.json does not read (FileNotFoundError)"),
+                      ("no-type", f" {not_a_model}its config.json names no model_type"),
+                      ("no-weights", f" {not_a_model}it holds no weights (*.safetensors, *.bin)")]:
+        with pytest.raises(SystemExit) as exit:
+            main(["peer", "--config", str(ROOT / "configs" / "tiny.yaml"), "--solo", "--out", str(tmp_path / "run"),
+                  "--model.pretrained", str(tmp_path / name)])
+        assert exit.value.code == 2
+        assert capsys.readouterr().err.strip() == f"swarm: error: model.pretrained {tmp_path / name}{why}"
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+    with pytest.raises(UsageError, match=f"model.pretrained {folder} has 256 embedding rows and data.tokenizer "
+                                         "'gpt2' 50257 tokens: they must agree"):
+        build_model(warm(folder).model, 50257, "gpt2")
