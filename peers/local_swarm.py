@@ -226,8 +226,9 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int,
             print(f"monitor at {watch.url} (JSON: {watch.url}api/swarm, Prometheus: {watch.url}metrics)", flush=True)
         # Each peer gets its own shard; the group covers the whole swarm (joiners included), so a round
         # forms as soon as every live peer is ready instead of waiting out the matchmaking time.
-        common = ["peer", "--config", config_path, *overrides, "--initial-peers", maddr,
-                  "--swarm.target_group_size", str(max(n_peers + len(pending_joins), 2)),
+        # (unless the user asked for another group size: it comes after, and the last one given wins)
+        common = ["peer", "--config", config_path, "--swarm.target_group_size",
+                  str(max(n_peers + len(pending_joins), 2)), *overrides, "--initial-peers", maddr,
                   "--diloco.threads", "1", "--logging.progress_bar", "false",
                   "--swarm.host_maddrs", "/ip4/127.0.0.1/tcp/0", "--log-level", log_level]
 
@@ -300,11 +301,11 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int,
         interrupted = e
         print(f"\nstopping {len(children)} processes ({e})", flush=True)
     finally:
+        if watch is not None:  # first: once the bootstrap is gone, the monitor's last DHT read waits out its time-out
+            watch.close()
         stop_children(children)
         server.close()
         restore_signals()
-        if watch is not None:
-            watch.close()
 
     summaries = []
     for p in (p for p in peers if p.name not in held):
