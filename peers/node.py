@@ -161,9 +161,6 @@ def _run_endpoint(cfg: Config, out_dir: Path, name: Optional[str], ranks: Ranks)
             trainer.train(progress)
             write_rank(out_dir, ranks, trainer)
             ranks.drain()
-            status.update(force=True, name=name, peer_id=peer_id, state="serving", round=trainer.diloco.round,
-                          step=0, loss=None)
-            averager.finish(trainer.diloco.outer_steps)  # the swarm's records count outer steps
             status.update(force=True, name=name, peer_id=peer_id, state="done", round=trainer.diloco.round, step=0,
                           loss=None)
         finally:  # finished, stopped or failed: say where this peer got to

@@ -130,8 +130,11 @@ class Averager(ABC):
             raise SwarmError("there is no peer to take a state from (this peer runs without a swarm)")
         return None
 
-    def finish(self, outer_step: int) -> None:
-        """After this peer's last round: stay for peers that fell behind and need its state (no-op here)."""
+    def finish(self, outer_step: int, sha256: str) -> Optional[list[str]]:
+        """After this peer's last round (`outer_step` outer steps, global parameters `sha256`): stay for peers
+        that need its state; the donors of the swarm's state if the swarm committed another hash there (the
+        end of a run agrees: the trainer takes it). Nothing to stay for here."""
+        return None
 
     def close(self) -> None:
         pass

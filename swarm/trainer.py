@@ -142,6 +142,7 @@ class Trainer(TrainerState):
                 self.averager.publish_progress(self.diloco.outer_steps, self.step, 0, 0.0,
                                                sha256=self.diloco.global_sha256(),
                                                stats=self._stats(self.history.rounds[-1].train_loss, 0.0))
+            self.finish()
         finally:  # however training stops, a committed checkpoint is finished and a begun one dropped
             if self.checkpointer is not None:
                 self.checkpointer.close()

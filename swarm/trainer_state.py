@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from swarm.ranks import Ranks
 
 log = logging.getLogger("swarm.trainer")
+FINISH_TRIES = 3  # states taken at the end of a run before it gives up on settling on one hash
 
 
 class TrainerState:
@@ -235,6 +236,22 @@ class TrainerState:
                                         "seconds": got.seconds})
         self.serve_state()
         return got is not None
+
+    def finish(self) -> None:
+        """The end of a run agrees: serve the state to peers that still need it (`Averager.finish`), and where the
+        swarm committed another hash at our last outer step (a last round that ended split between two groups),
+        take the swarm's state, checkpoint it and serve that, at most FINISH_TRIES times."""
+        for _ in range(FINISH_TRIES):
+            sha, outer_steps = self.diloco.global_sha256(), self.diloco.outer_steps
+            donors = self.ranks.answer(lambda s=outer_steps, h=sha: self.averager.finish(s, h))
+            if donors is None:
+                return
+            if self.catch_up(donors):
+                self.save_checkpoint()
+                self.history.events.append({"event": "end_agreed", "time": time.time(), "from_sha256": sha,
+                                            "to_sha256": self.diloco.global_sha256()})
+        raise SwarmError(f"the end of the run did not settle on one hash after {FINISH_TRIES} states taken "
+                         f"(last held: {self.diloco.global_sha256()[:12]})")
 
     def _share_state(self) -> None:
         """A multi-process peer: every rank takes rank 0's state (resumed, downloaded, or its own). A sharded peer's

@@ -5,6 +5,10 @@ what catches each. Only names live here, so that the config can check them; the 
 ATTACKS = {
     "forge-progress": "its progress record claims it finished every round at once (ready), and every other "
                       "heartbeat a far-future round it serves the state of (policy.plausible, majority ready)",
+    "claim-ahead": "its progress records claim one round more than it holds, on its real hash, serving (the quorum "
+                   "rule of policy.py: one voter of several is never half of them)",
+    "forged-commit": "its commit records claim one round more than it committed, on a hash nobody holds (commits "
+                     "count only when no other voter is live)",
     "nan": "sends NaN in its pseudo-gradient (owners refuse the part and name it)",
     "huge": "sends its pseudo-gradient times 1e6, finite (swarm.clip_norm_ratio, robust aggregation)",
     "weight": "claims 1e18 samples (the most a strict int carries) in matchmaking and as its weight "

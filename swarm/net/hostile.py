@@ -2,7 +2,7 @@
 `swarm local --hostile KIND@PEER`).
 
 The protocol code calls a `Hooks` object at a few points where a peer's own behaviour could be altered
-(the record it publishes, its matchmaking metadata, its weight, its encoded contribution, the average it
+(the records it publishes, its matchmaking metadata, its weight, its encoded contribution, the average it
 returns as a part owner, the state it serves); honest peers use the do-nothing `Hooks`. `Attacker` turns
 those hooks against the swarm, one named attack each, like torchft's `EventInjector`: the attack lives here,
 never as `if hostile:` branches inside the protocol. What catches each attack is listed with it.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import time
@@ -57,6 +58,10 @@ class Hooks(AllReduceHooks):
     def progress(self, record: dict) -> dict:
         return record
 
+    def commit(self, record: dict) -> dict:
+        """A commit record, before it is stored."""
+        return record
+
     def meta(self, meta: dict) -> dict:
         return meta
 
@@ -91,11 +96,18 @@ class Attacker(Hooks):
         logger.warning(f"this peer is HOSTILE (faults.hostile): {', '.join(sorted(self.kinds))}")
 
     def progress(self, record: dict) -> dict:
+        if "claim-ahead" in self.kinds and record.get("sha256"):
+            return dict(record, round=record["round"] + 1, serves_state=True)
         if "forge-progress" not in self.kinds:
             return record
         self._beats += 1
         forged = dict(record, ready=True, inner_step=0, samples=10**9, samples_per_s=1e9, serves_state=True)
         return dict(forged, round=FORGED_ROUND) if self._beats % 2 == 0 else forged
+
+    def commit(self, record: dict) -> dict:
+        if "forged-commit" not in self.kinds:
+            return record
+        return dict(record, round=record["round"] + 1, sha256=hashlib.sha256(record["sha256"].encode()).hexdigest())
 
     def meta(self, meta: dict) -> dict:
         if "garbage-meta" in self.kinds:

@@ -314,44 +314,58 @@ class SwarmAverager(Averager):
             return "the commit records did not answer"
         commits.pop(self.peer_id, None)  # our own vote is the state we are replacing
         others = [r for r in self.records.peers() if r.peer_id != self.peer_id]
-        now, window = get_dht_time(), live_window(self.cfg)
-        tally = policy.votes(*policy.plausible(self.peer_id, others, commits, now, window), now, window)
-        committed = policy.winner(tally.get(got_round))
+        committed = policy.certified(self.peer_id, others, commits, get_dht_time(), live_window(self.cfg)).get(
+            got_round)
         if committed is None:
-            return f"no peer vouches for round {got_round}"
+            return f"no hash of round {got_round} is held by half of the live peers (the quorum rule)"
         if committed != got_sha:
             return f"the swarm committed {committed[:12]} at round {got_round}"
         return None
 
     # ---- shutdown -------------------------------------------------------------------------------------
 
-    def finish(self, outer_step: int) -> None:
-        """Serve the final state while live peers are at earlier rounds, at most `cfg.linger_time` s.
+    def finish(self, outer_step: int, sha256: str) -> Optional[list[str]]:
+        """Serve the final state while live peers need it, at most `cfg.linger_time` s; the donors of the swarm's
+        state where it committed another hash than `sha256` at our last outer step (the end of a run agrees).
 
-        A peer that fell behind in the last rounds (a failed all-reduce, a slow machine) learns it only
-        after its next matchmaking; if every peer ahead has left by then it finds no donor and stops.
-        Peers that finished announce it (a record at their final round), so in a swarm where nobody is
-        behind this returns at once. A client (`swarm.client_mode`) serves nothing: it returns at once.
+        Peers need it while they are at earlier outer steps (a failed all-reduce, a slow machine: they learn
+        it only after their next matchmaking, and with every peer ahead gone they would find no donor), or at
+        ours on a hash the quorum rule (policy.py) outvotes: a last round that ended split between two groups,
+        whose losing side takes the winner's state. Peers that finished announce it (a record at their final
+        outer step), so in a swarm where nobody needs us this returns at once. A client
+        (`swarm.client_mode`) serves nothing; it still takes the swarm's state if it is outvoted.
+        SwarmError, naming both hashes, if the swarm still holds another hash when the time is up and
+        nobody serves it.
         """
         self.records.flush_commit()
-        self.publish_progress(outer_step, 0, 0, 0.0, sha256=self.records.committed, wait=True)
-        if self.cfg.client_mode:
-            return
-        deadline, waiting_for = time.monotonic() + self.cfg.linger_time, None
+        self.publish_progress(outer_step, 0, 0, 0.0, sha256=sha256, wait=True)
+        deadline, waiting_for, position = time.monotonic() + self.cfg.linger_time, None, None
         while time.monotonic() < deadline:
-            now = get_dht_time()
-            records = self.records.read_peers()  # None: unreadable, which is no sign that nobody is behind
-            behind = None if records is None else sorted(
-                r.name for r in records if r.round < outer_step and r.peer_id != self.peer_id
-                and policy.is_live(r, now, live_window(self.cfg)))
-            if behind == []:
-                return
-            if behind is not None and behind != waiting_for:
-                logger.info(f"finished at outer step {outer_step}; serving the state to peers still behind: {behind}")
-                waiting_for = behind
+            position = self.records.assess(outer_step, sha256)
+            if position.verdict in (policy.Verdict.BEHIND, policy.Verdict.DIVERGED) and position.donors:
+                logger.info(f"finished at outer step {outer_step} on {sha256[:12]}, but {position.note}: "
+                            f"taking the swarm's state")
+                return list(position.donors)
+            outvoted = position.verdict in (policy.Verdict.BEHIND, policy.Verdict.DIVERGED)
+            ours = position.swarm_round == outer_step and position.swarm_sha256 == sha256  # the swarm's hash
+            now, window = get_dht_time(), live_window(self.cfg)
+            records = self.records.read_peers()  # None: unreadable, which is no sign that nobody needs us
+            needing = None if records is None else sorted(
+                r.name for r in records if r.peer_id != self.peer_id and policy.is_live(r, now, window)
+                and (r.round < outer_step or (ours and r.round == outer_step and r.sha256 not in ("", sha256))))
+            if not outvoted and (needing == [] or self.cfg.client_mode):
+                return None
+            if needing and needing != waiting_for:
+                logger.info(f"finished at outer step {outer_step}; serving the state to peers that need it: {needing}")
+                waiting_for = needing
             time.sleep(max(0.0, min(self.cfg.progress_interval, 1.0, deadline - time.monotonic())))  # poll
+        if position is not None and outvoted:
+            raise SwarmError(f"the run ended with this peer on {sha256[:12]} at outer step {outer_step}, and the swarm "
+                             f"committed {(position.swarm_sha256 or '?')[:12]} at outer step {position.swarm_round}, "
+                             f"which no peer served within {self.cfg.linger_time:g} s (swarm.linger_time)")
         logger.warning(f"stopped serving the state after {self.cfg.linger_time:g} s (swarm.linger_time); "
-                       f"still behind: {waiting_for}")
+                       f"still needed by: {waiting_for}")
+        return None
 
     async def _stop_handlers(self) -> None:
         if hasattr(self, "server") and not self.cfg.client_mode:

@@ -7,25 +7,36 @@ function itself does no I/O, so it is tested over tables of records (tests/net/t
 - Live: a peer whose progress record was re-stored within `window` s (`config.live_window`). Its heartbeat
   re-stores it every `progress_interval` whatever the trainer does, so a record that stopped changing is a
   dead peer's, long before it expires from the DHT.
-- The hash of a round: one vote per peer, from its live progress record, else from its last commit record;
-  the most votes win, ties go to the larger hash (so every peer picks the same side).
-- BEHIND: some peer committed a later round than ours (live or not: a peer that comes back after the
-  others finished must not train on alone from an older round). Donors: live peers past our round that
-  serve their state and hold their round's winning hash, freshest first.
-- DIVERGED: most live peers at our round hold another hash than ours. Donors: those that serve it.
+- Voters: this peer and the live peers that serve their state (`voters`). One vote each, for the (round, hash)
+  of its progress record.
+- The quorum rule (`certified`): a round's hash counts as committed by the swarm only if at least half of the
+  voters hold it (ties between two halves go to the larger hash, so every peer picks the same side). So k
+  peers acting together, k below half of the voters, can neither make honest peers take their state (their
+  claim of a round ahead, or of another hash at ours, never reaches half), nor make them skip a round, nor
+  stop them (a forged commit record of a peer that is not live counts for nothing while others are). With no
+  other voter live (every other peer left, or takes a state), the last commit records decide instead, the
+  most votes winning: a peer that comes back after the others finished must not train on alone from an
+  older round.
+- BEHIND: the swarm committed a later round than ours. Donors: live peers at that round on its hash that serve
+  it. DIVERGED: the swarm committed another hash at our round. Donors: those that serve it.
 - ALONE: nobody else live at our round with our hash, nobody ahead: apply our own pseudo-gradient.
 - AVERAGE: peers share our round and hash: keep matchmaking with them.
 - UNSURE: the read misses our own fresh record, so it failed (a DHT time-out looks like an empty swarm):
   decide nothing on it.
 
-Claims are believed only within bounds (`plausible`), since any stranger may sign records: a round more
-than one past the lower median of the other live peers' rounds (with no other peer live, of the others'
-last commits) is ignored, so a forger claiming round 2**40 is neither followed nor taken as a donor; and
-others are `ready` (this peer stops its inner steps early to meet them) only when most live peers that may
-average this round say so, so one peer claiming readiness from the start of every round cannot cut
-everyone's rounds short.
-Both hold while honest peers are the majority of the peers one reads; a private swarm
-(`swarm.auth: allowlist`) keeps strangers out altogether.
+What the rule does not promise: groups smaller than half the voters (`swarm.target_group_size` below half the
+swarm) may end a round on several hashes none of which half the voters hold; they stay apart (each lineage
+averages on its own base) until one holds half. An honest minority that moved on while most peers were away
+is followed by peers restarted from older checkpoints, since they serve nothing while they decide whether to
+take a state (`catch_up`); restarted peers that already train on their old round are voters, and when they
+are half of them the minority is not followed: to them it is what colluders claiming a round ahead are.
+
+Round claims are also bounded (`plausible`) for what does not go through the quorum: a round more than one
+past the lower median of the other live peers' rounds (with no other peer live, of the others' last commits)
+is ignored for the group size and for the commits that decide when nobody else is live; and others are
+`ready` (this peer stops its inner steps early to meet them) only when most live peers that may average this
+round say so, so one peer claiming readiness from the start of every round cannot cut everyone's rounds
+short. A private swarm (`swarm.auth: allowlist`) keeps strangers out altogether.
 """
 
 from __future__ import annotations
@@ -103,37 +114,62 @@ def winner(counts: Counter) -> Optional[str]:
     return max(counts, key=lambda h: (counts[h], h)) if counts else None
 
 
+def voters(me: str, progress: Sequence[ProgressRecord], now: float, window: float) -> list[ProgressRecord]:
+    """Whose word counts for the quorum: us, and the live peers that serve their state. A peer taking a state
+    (a newcomer, a peer restarted from an old checkpoint) serves none meanwhile, so a burst of them does not
+    outnumber the peers they are catching up with; a client (`swarm.client_mode`) serves none either."""
+    return [r for r in progress if is_live(r, now, window) and (r.peer_id == me or r.serves_state)]
+
+
+def certified(me: str, progress: Sequence[ProgressRecord], commits: Mapping[str, CommitRecord], now: float,
+              window: float) -> dict[int, str]:
+    """Per round, the hash the swarm committed there, by the quorum rule (module docstring): among the voters,
+    a hash counts only if at least half of them hold it, ties to the larger hash. With no other voter live
+    (every other peer has left, or takes a state), the plausible last commits decide, the most votes winning."""
+    electorate = voters(me, progress, now, window)
+    if not any(r.peer_id != me for r in electorate):
+        progress, commits = plausible(me, progress, commits, now, window)
+        return {s: winner(counts) for s, counts in votes(progress, commits, now, window).items()}
+    tally: dict[int, Counter] = defaultdict(Counter)
+    for r in electorate:
+        if r.sha256:
+            tally[r.round][r.sha256] += 1
+    out = {}
+    for s, counts in tally.items():
+        best = winner(counts)
+        if 2 * counts[best] >= len(electorate):
+            out[s] = best
+    return out
+
+
 def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
            commits: Mapping[str, CommitRecord], now: float, window: float) -> Position:
     claimed = {r.peer_id for r in progress} | set(commits)
     live_ids = {r.peer_id for r in progress if is_live(r, now, window)}
+    committed = certified(me, progress, commits, now, window)
+    holders = [r for r in progress if is_live(r, now, window) and r.peer_id != me and r.serves_state]
     progress, commits = plausible(me, progress, commits, now, window)
     ignored = tuple(sorted(claimed - {r.peer_id for r in progress} - set(commits)))
     unsure = len(live_ids - {r.peer_id for r in progress})  # live, at a round it does not tell: may join us
     live = [r for r in progress if is_live(r, now, window)]
-    tally = votes(progress, commits, now, window)
-    swarm_round = max([round, *tally])
-    swarm_sha = winner(tally.get(swarm_round, Counter()))
+    swarm_round = max([round, *committed])
+    swarm_sha = committed.get(swarm_round)
     if not any(r.peer_id == me for r in live):
         return Position(Verdict.UNSURE, swarm_round, swarm_sha, None, note="progress records unreadable",
                         ignored=ignored)
     others = [r for r in live if r.peer_id != me]
     if swarm_round > round:
-        ahead = [r for r in others if r.round > round and r.serves_state
-                 and r.sha256 == winner(tally.get(r.round, Counter()))]
-        ahead.sort(key=lambda r: (-r.round, r.peer_id))
-        return Position(Verdict.BEHIND, swarm_round, swarm_sha, None, tuple(r.peer_id for r in ahead),
+        donors = sorted(r.peer_id for r in holders if r.round == swarm_round and r.sha256 == swarm_sha)
+        return Position(Verdict.BEHIND, swarm_round, swarm_sha, None, tuple(donors),
                         note=f"behind: the swarm committed round {swarm_round}, we hold round {round}",
                         ignored=ignored)
     expected = sum(1 for r in live if r.round in (round - 1, round)) + unsure
-    here = Counter(r.sha256 for r in others if r.round == round and r.sha256) + Counter({sha256: 1})
-    majority = winner(here)
+    majority = committed.get(round, sha256)
     if majority != sha256:
-        donors = tuple(sorted(r.peer_id for r in others if r.round == round and r.sha256 == majority
-                              and r.serves_state))
+        donors = tuple(sorted(r.peer_id for r in holders if r.round == round and r.sha256 == majority))
         return Position(Verdict.DIVERGED, swarm_round, swarm_sha, expected, donors,
-                        note=f"{here[majority]} of {here.total()} live peers at round {round} hold other "
-                             f"global parameters than ours", ignored=ignored)
+                        note=f"most live peers at round {round} hold other global parameters than ours "
+                             f"({majority[:12]})", ignored=ignored)
     mates = [r for r in others if r.round == round and r.sha256 in (sha256, "")]
     # most of the others that may average this round (those still showing the round before count as not
     # ready: right after a commit, a forger claiming readiness may be the only one showing the new round)

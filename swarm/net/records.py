@@ -182,7 +182,8 @@ class Records:
         record = schema.CommitRecord(name=self.peer_name, round=snapshot.round, sha256=snapshot.sha256, time=now,
                                      work=self._work)
         with self._dht_lock:
-            future = self.dht.store(schema.commits_key(self.cfg.run_id), record.dict(), subkey=self._owner,
+            future = self.dht.store(schema.commits_key(self.cfg.run_id), self.hooks.commit(record.dict()),
+                                    subkey=self._owner,
                                     expiration_time=now + schema.RUN_RECORD_EXPIRATION, return_future=True)
 
         def serve() -> None:  # unless withdrawn or superseded meanwhile; a client cannot be dialed: never serves

@@ -142,7 +142,7 @@ def test_a_client_records_its_commits_but_never_serves_its_state(client):
     snapshot = SimpleNamespace(round=2, sha256="ab" * 32)
     averager.offer_state(snapshot)
     assert dht.stored == [] and records.serving is None and records.commit_pending
-    averager.finish(2)
+    averager.finish(2, "ab" * 32)
     assert [(key, value["round"], value["sha256"]) for key, value in dht.stored] == [
         (schema.commits_key(cfg.run_id), 2, "ab" * 32)]
     assert records.serving is (None if client else snapshot)  # `serves_state` is this, not None

@@ -26,8 +26,10 @@ TABLE = [
     ("a groupmate at our round", 3, A, [progress("p", 3)], {}, Verdict.AVERAGE, (), 2),
     ("a groupmate still finishing the round before", 3, A, [progress("p", 2)], {}, Verdict.ALONE, (), 2),
     ("a live peer ahead", 3, A, [progress("p", 5, B)], {}, Verdict.BEHIND, ("p",), None),
-    ("ahead peers, freshest first", 3, A, [progress("p", 4, B), progress("q", 5, C)], {}, Verdict.BEHIND,
-     ("q", "p"), None),
+    ("the highest round that half the voters hold", 3, A, [progress("p", 4, B), progress("q", 5, C),
+                                                           progress("r", 5, C)], {}, Verdict.BEHIND, ("q", "r"), None),
+    ("ahead peers on two hashes, neither held by half of the voters: no verdict on them", 3, A,
+     [progress("p", 4, B), progress("q", 5, C)], {}, Verdict.ALONE, (), 1),
     ("an ahead peer that serves no state is no donor", 3, A, [progress("p", 5, B, serves=False)], {},
      Verdict.BEHIND, (), None),
     ("everyone ahead has left: behind, no donor", 3, A, [], {"gone": commit(10, B)}, Verdict.BEHIND, (), None),
@@ -73,7 +75,9 @@ def test_others_ready_only_counts_live_groupmates_on_our_hash():
 def test_the_swarm_round_and_its_hash_come_from_live_records_and_commits():
     me = progress(ME, 3)
     position = assess(ME, 3, A, [me, progress("p", 4, B)], {"x": commit(6, C), "y": commit(6, C)}, NOW, WINDOW)
-    assert position.swarm_round == 6 and position.swarm_sha256 == C
+    assert position.swarm_round == 4 and position.swarm_sha256 == B  # others live: their word, not the commits
+    position = assess(ME, 3, A, [me], {"x": commit(6, C), "y": commit(6, C)}, NOW, WINDOW)
+    assert position.swarm_round == 6 and position.swarm_sha256 == C  # nobody else live: the commits
     tally = votes([progress("p", 4, B), progress("q", 4, C, age=60)], {"q": commit(4, C), "r": commit(4, C)},
                   NOW, WINDOW)
     assert winner(tally[4]) == C  # one vote per peer: p live (B); q and r by their commits (C, C)
@@ -131,3 +135,44 @@ def test_right_after_a_commit_a_forger_alone_at_the_new_round_is_no_majority():
     """The others still show the round before (they have not re-published yet): they count as not ready."""
     me, others = progress(ME, 3), [progress("p", 2), progress("q", 2)]
     assert not assess(ME, 3, A, [me, *others, progress("evil", 3, ready=True)], {}, NOW, WINDOW).others_ready
+
+
+EVIL = ("evil", "evil2")
+# The quorum rule against k peers acting together, k below half of the voters (module docstring of policy.py):
+# (situation, progress records of others, commit records, verdict, donors)
+QUORUM = [
+    ("claim one round ahead (issue 21, attack 1): one voter of four", [progress("p", 3), progress("q", 3),
+                                                                      progress("evil", 4, C)], {},
+     Verdict.AVERAGE, ()),
+    ("two colluders of five claim the next round", [progress("p", 3), progress("q", 3), progress("evil", 4, C),
+                                                   progress("evil2", 4, C)], {}, Verdict.AVERAGE, ()),
+    ("two colluders of five claim a round far ahead", [progress("p", 3), progress("q", 3),
+                                                      progress("evil", 9, C), progress("evil2", 9, C)], {},
+     Verdict.AVERAGE, ()),
+    ("a forged commit one round ahead from a peer that is not live (attack 2)",
+     [progress("p", 3), progress("q", 3)], {"evil": commit(4, C)}, Verdict.AVERAGE, ()),
+    ("many forged commits ahead from identities that are not live", [progress("p", 3), progress("q", 3)],
+     {f"evil{i}": commit(4, C) for i in range(20)}, Verdict.AVERAGE, ()),
+    ("two colluders of five hold another hash at our round", [progress("p", 3), progress("q", 3),
+                                                             progress("evil", 3, C), progress("evil2", 3, C)], {},
+     Verdict.AVERAGE, ()),
+    ("colluders that serve nothing are no voters either", [progress("p", 3), progress("evil", 4, C, serves=False),
+                                                          progress("evil2", 4, C, serves=False)], {},
+     Verdict.AVERAGE, ()),
+    ("an honest split in two halves: the larger hash wins the tie", [progress("p", 3, A), progress("q", 3, B),
+                                                                     progress("r", 3, B)], {},
+     Verdict.DIVERGED, ("q", "r")),
+    ("half the swarm moved on: the other half follows", [progress("p", 3), progress("q", 4, B),
+                                                         progress("r", 4, B)], {}, Verdict.BEHIND, ("q", "r")),
+    ("a burst of newcomers taking a state does not outvote the peers they catch up with",
+     [progress(f"new{i}", 3, serves=False) for i in range(4)] + [progress("p", 9, B), progress("q", 9, B)], {},
+     Verdict.BEHIND, ("p", "q")),
+]
+
+
+@pytest.mark.parametrize("situation,others,commits,verdict,donors", QUORUM, ids=[row[0] for row in QUORUM])
+def test_the_quorum_rule(situation, others, commits, verdict, donors):
+    position = assess(ME, 3, A, [progress(ME, 3), *others], commits, NOW, WINDOW)
+    assert position.verdict == verdict, position.note
+    assert position.donors == donors
+    assert not set(EVIL) & set(position.donors) and position.swarm_sha256 != C

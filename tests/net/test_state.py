@@ -178,7 +178,7 @@ def test_a_finished_peer_serves_its_state_until_peers_behind_caught_up(pair):
     donor.publish()
     newcomer.publish()  # at round 0, training round 1
     start = time.monotonic()
-    finisher = threading.Thread(target=donor.averager.finish, args=(3,))
+    finisher = threading.Thread(target=donor.averager.finish, args=(3, donor.diloco.global_sha256()))
     finisher.start()
     time.sleep(2.0)  # the laggard learns it is behind only after its next matchmaking
     assert finisher.is_alive(), "the finished peer left while a live peer was behind"
@@ -187,7 +187,7 @@ def test_a_finished_peer_serves_its_state_until_peers_behind_caught_up(pair):
     finisher.join(10)
     assert not finisher.is_alive() and time.monotonic() - start < 2.0 + 5.0
     start = time.monotonic()
-    donor.averager.finish(3)  # nobody behind: leaves at once
+    donor.averager.finish(3, donor.diloco.global_sha256())  # nobody behind: leaves at once
     assert time.monotonic() - start < 3.0  # far below linger_time (60 s)
 
     # A peer killed at round 1: its record has not expired, but it stopped changing (no heartbeat).
@@ -203,8 +203,35 @@ def test_a_finished_peer_serves_its_state_until_peers_behind_caught_up(pair):
         ghost_dht.shutdown()
     assert "ghost" in [r.name for r in donor.averager.records.peers()]
     start = time.monotonic()
-    donor.averager.finish(3)
+    donor.averager.finish(3, donor.diloco.global_sha256())
     assert time.monotonic() - start < 3.0
+
+
+@pytest.mark.timeout(60)
+def test_a_run_that_ends_split_in_two_halves_ends_on_one_hash(pair):
+    """Two peers end the run at the same outer step on two hashes (a last round split between two groups of one):
+    by the quorum rule the larger hash wins the tie on both sides, so the other peer's `finish` names the winner
+    as its donor, and the winner stays (serving) until the loser has taken its state."""
+    a, b = pair
+    a.train_rounds(3)
+    b.train_rounds(3)
+    a.publish()
+    b.publish()
+    winner, loser = sorted((a, b), key=lambda p: p.diloco.global_sha256(), reverse=True)
+    done = []
+    stays = threading.Thread(target=lambda: done.append(winner.averager.finish(3, winner.diloco.global_sha256())))
+    stays.start()
+    donors = loser.averager.finish(3, loser.diloco.global_sha256())
+    assert donors == [winner.averager.peer_id]
+    time.sleep(1.0)
+    assert stays.is_alive(), "the winner left while the loser still held the other hash"
+    with loser.diloco.changing():
+        got = loser.averager.fetch_state(loser.intake(), 3, loser.diloco.global_sha256(), donors)
+    assert got is not None and loser.diloco.global_sha256() == winner.diloco.global_sha256()
+    loser.publish()
+    stays.join(15)
+    assert not stays.is_alive() and done == [None]
+    assert loser.averager.finish(3, loser.diloco.global_sha256()) is None  # one hash now: nothing to take
 
 
 @pytest.mark.timeout(30)

@@ -1,0 +1,45 @@
+"""The swarm agrees on one hash, through `swarm local` with real peers on loopback: against one peer claiming a
+round ahead and one forging commits (issue 21, attacks 1 and 2: the quorum rule of swarm/net/policy.py), and
+at the end of a run whose last round split between two groups (the end of a run agrees)."""
+
+import json
+
+import pytest
+
+from tests.swarm_harness import SMALL
+
+
+def run_local(swarm_cmd, tmp_path, *args: str) -> dict:
+    result = swarm_cmd("local", "--config", "configs/tiny.yaml", "--out", str(tmp_path), *SMALL,
+                       "--diloco.inner_steps", "6", *args, timeout=200)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads((tmp_path / "summary.json").read_text())
+
+
+@pytest.mark.timeout(240)
+def test_a_peer_claiming_a_round_ahead_and_one_forging_commits_steer_nobody(tmp_path, swarm_cmd):
+    """Before the quorum rule, one signed progress record one round ahead made every honest peer BEHIND with the
+    claimant as its only donor, every round; one forged commit record ahead, BEHIND with no donor, then exit 1."""
+    summary = run_local(swarm_cmd, tmp_path, "--peers", "4", "--rounds", "3", "--hostile", "claim-ahead@2",
+                        "--hostile", "forged-commit@3")
+    honest = [p for p in summary["peers"] if "hostile" not in p]
+    assert sorted(p["name"] for p in honest) == ["peer-0", "peer-1"]
+    for peer in honest:
+        assert [r["committed"] for r in peer["rounds"]] == [True] * 3, peer["name"]
+        assert not [e for e in peer["events"] if e["event"] == "state_downloaded"], peer["name"]
+    for r in range(3):
+        assert len({p["rounds"][r]["global_sha256"] for p in honest}) == 1
+    assert len({p["final_global_sha256"] for p in honest}) == 1
+
+
+@pytest.mark.timeout(240)
+def test_a_run_whose_last_round_split_in_two_groups_ends_on_one_hash(tmp_path, swarm_cmd):
+    """`swarm local --peers 4 --rounds 1 --swarm.target_group_size 2`, as a new user would try it: two groups of
+    two commit the one round on two hashes; at the end the half on the smaller hash takes the other's state (the
+    tie goes to the larger hash on both sides), so every peer ends on one hash."""
+    summary = run_local(swarm_cmd, tmp_path, "--peers", "4", "--rounds", "1", "--swarm.target_group_size", "2")
+    peers = summary["peers"]
+    assert len({p["final_global_sha256"] for p in peers}) == 1
+    committed = {p["rounds"][0]["global_sha256"] for p in peers}
+    agreed = [p["name"] for p in peers if any(e["event"] == "end_agreed" for e in p["events"])]
+    assert len(agreed) == (0 if len(committed) == 1 else 2), (committed, agreed)
