@@ -25,6 +25,8 @@ The control pipe carries one JSON object per line: requests on the server's stdi
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import importlib
 import json
@@ -34,6 +36,8 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+import traceback
 from pathlib import Path
 from typing import Optional
 
@@ -101,9 +105,12 @@ class ForkServer:
         # the server imports the same code as this launcher, whatever folder the launcher runs in
         code_root = str(Path(__file__).resolve().parents[1])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [code_root, os.environ.get("PYTHONPATH")]))}
-        self._proc = subprocess.Popen([sys.executable, "-m", "peers.forkserver", *preload], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, start_new_session=True, env=env,
-                                      preexec_fn=lambda: die_with(launcher))
+        if _imported(preload):  # this launcher has imported it all (a child of a fork server): fork the server
+            self._proc = _ServerFork(preload, launcher)
+        else:
+            self._proc = subprocess.Popen([sys.executable, "-m", "peers.forkserver", *preload],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
+                                          env=env, preexec_fn=lambda: die_with(launcher))
         self._cond = threading.Condition()
         self._ready: Optional[int] = None
         self._pids: dict[int, int] = {}  # request id -> pid
@@ -173,6 +180,67 @@ class ForkServer:
         self._proc.stdout.close()
 
 
+def _imported(preload: tuple[str, ...]) -> bool:
+    """The server may be forked from this process: it imported what the server would, and runs no other thread
+    that a fork could catch holding a lock (a `swarm local` forked from the fork server of `make test`, or of
+    another launcher, saves the server's ~4 s of imports)."""
+    return threading.active_count() == 1 and all(name in sys.modules for name in preload)
+
+
+class _ServerFork:
+    """The server forked from the launcher instead of started afresh: the part of `Popen`'s interface `ForkServer`
+    uses (`stdin`, `stdout`, `poll`, `wait`, `kill`). The server gets what `Popen` would give it: a session of
+    its own, SIGTERM when the launcher ends, the pipes on stdin and stdout, default signal handlers and no log
+    handler of the launcher's. It keeps the launcher's other open files: what the imports opened (an event
+    loop's epoll, say) is among them, and closing those breaks the children (hivemind's DHT process could not
+    poll its pipe)."""
+
+    def __init__(self, preload: tuple[str, ...], launcher: int):
+        requests, answers = os.pipe(), os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                from swarm import logs
+
+                os.setsid()
+                die_with(launcher)
+                for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):  # the launcher's own handlers
+                    signal.signal(sig, signal.SIG_DFL)
+                logs.forget()
+                os.dup2(requests[0], 0)
+                os.dup2(answers[1], 1)
+                for fd in (*requests, *answers):
+                    os.close(fd)
+                main(list(preload))
+            finally:
+                os._exit(0)  # never back into the launcher's code
+        os.close(requests[0])
+        os.close(answers[1])
+        self.pid, self.returncode = pid, None
+        self.stdin, self.stdout = os.fdopen(requests[1], "wb"), os.fdopen(answers[0], "rb")
+        self._lock = threading.Lock()  # the reader thread and close() both wait for it
+
+    def poll(self) -> Optional[int]:
+        with self._lock:
+            if self.returncode is None:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+            return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired("fork server", timeout)
+            time.sleep(REAP_INTERVAL_S)
+        return self.returncode
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
 # ---- the server process ------------------------------------------------------------------------------
 
 def _send(message: dict) -> None:
@@ -214,15 +282,43 @@ def _child(request: dict, server: int) -> None:
     os.environ.update(request["env"])
     import runpy
 
-    if "script" in request:
-        sys.argv = [request["script"], *request["argv"]]
-        sys.path[0] = os.path.dirname(os.path.abspath(request["script"]))
-        runpy.run_path(request["script"], run_name="__main__")
-    else:
-        sys.argv = [request["module"], *request["argv"]]
-        sys.path[0] = os.getcwd()
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
-    sys.exit(0)
+    try:
+        if "script" in request:
+            sys.argv = [request["script"], *request["argv"]]
+            sys.path[0] = os.path.dirname(os.path.abspath(request["script"]))
+            runpy.run_path(request["script"], run_name="__main__")
+        else:
+            sys.argv = [request["module"], *request["argv"]]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if not isinstance(e.code, (int, type(None))):  # sys.exit("message"): printed, status 1
+            print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = -signal.SIGINT
+    except BaseException:  # what the interpreter prints for an uncaught exception, and its status
+        traceback.print_exc()
+        code = 1
+    _end(code)
+
+
+def _end(code: int) -> None:
+    """End the child as the interpreter ends (non-daemon threads joined, atexit handlers run, streams flushed),
+    with status `code` (negative: killed by that signal, as Python ends on an uncaught KeyboardInterrupt), and
+    without unwinding into the frames it was forked from: a server forked from a launcher (`_ServerFork`)
+    holds the launcher's frames, whose `finally` blocks must not run in its children."""
+    threading._shutdown()  # what Py_FinalizeEx and multiprocessing's children do first
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a stream already closed has nothing left to flush
+            stream.flush()
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code & 0xFF)
 
 
 class _Requests:

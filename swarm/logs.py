@@ -87,6 +87,20 @@ def session(level: str) -> Iterator[None]:
         root.setLevel(previous)
 
 
+def forget() -> None:
+    """In a process forked from a command that logs (the fork server `swarm local` forks, peers/forkserver.py):
+    drop the command's handlers and session, which a fresh interpreter would not have; the commands it runs
+    open their own."""
+    global _file, _depth
+    root = logging.getLogger()
+    for h in _installed:
+        root.removeHandler(h)
+        h.close()
+    _installed.clear()
+    _file, _depth = None, 0
+    root.setLevel(logging.WARNING)
+
+
 def to_folder(folder: Path, option: str = "--out") -> Path:
     """From now on, also append every log line to `folder`/log.txt (rank 0 only), unless stderr already goes
     there (`swarm local` points a peer's stderr at that file). UsageError naming the folder if it cannot be
