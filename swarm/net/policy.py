@@ -7,16 +7,18 @@ function itself does no I/O, so it is tested over tables of records (tests/net/t
 - Live: a peer whose progress record was re-stored within `window` s (`config.live_window`). Its heartbeat
   re-stores it every `progress_interval` whatever the trainer does, so a record that stopped changing is a
   dead peer's, long before it expires from the DHT.
-- Voters: this peer and the live peers that serve their state (`voters`). One vote each, for the (round, hash)
-  of its progress record.
-- The quorum rule (`certified`): a round's hash counts as committed by the swarm only if at least half of the
-  voters hold it (ties between two halves go to the larger hash, so every peer picks the same side). So k
-  peers acting together, k below half of the voters, can neither make honest peers take their state (their
-  claim of a round ahead, or of another hash at ours, never reaches half), nor make them skip a round, nor
-  stop them (a forged commit record of a peer that is not live counts for nothing while others are). With no
-  other voter live (every other peer left, or takes a state), the last commit records decide instead, the
-  most votes winning: a peer that comes back after the others finished must not train on alone from an
-  older round.
+- The quorum rule (`certified`): a hash at round s counts as committed by the swarm only if the live peers at
+  s that hold it and serve it are at least half of the electorate of round s — the live peers that serve
+  their state, and those that do not but stand at round s-1 or later (ties between two halves go to the
+  larger hash, so every peer picks the same side) — and s is at most one past the lower median of the rounds
+  of the other live peers that serve their state (`ceiling`). So k peers acting together, k below half of
+  the live peers, can neither make honest peers take their state (their claim of the next round, or of
+  another hash at ours, never reaches half; a claim further ahead lies above the ceiling), nor make them skip
+  a round, nor stop them (a forged commit record counts for nothing while others are live). Peers taking a
+  state serve none meanwhile, and sit rounds below: a burst of newcomers neither lowers the ceiling nor counts
+  against the peers they catch up with. With no other peer live (every other peer left), the last commit
+  records decide instead, the most votes winning: a peer that comes back after the others finished must not
+  train on alone from an older round.
 - BEHIND: the swarm committed a later round than ours. Donors: live peers at that round on its hash that serve
   it. DIVERGED: the swarm committed another hash at our round. Donors: those that serve it.
 - ALONE: nobody else live at our round with our hash, nobody ahead: apply our own pseudo-gradient.
@@ -24,12 +26,12 @@ function itself does no I/O, so it is tested over tables of records (tests/net/t
 - UNSURE: the read misses our own fresh record, so it failed (a DHT time-out looks like an empty swarm):
   decide nothing on it.
 
-What the rule does not promise: groups smaller than half the voters (`swarm.target_group_size` below half the
-swarm) may end a round on several hashes none of which half the voters hold; they stay apart (each lineage
-averages on its own base) until one holds half. An honest minority that moved on while most peers were away
-is followed by peers restarted from older checkpoints, since they serve nothing while they decide whether to
-take a state (`catch_up`); restarted peers that already train on their old round are voters, and when they
-are half of them the minority is not followed: to them it is what colluders claiming a round ahead are.
+What the rule does not promise: groups smaller than half the live peers (`swarm.target_group_size` below
+half the swarm) may end a round on several hashes none of which half of them hold; they stay apart (each
+lineage averages on its own base) until one holds half. Restarted peers that already train on their old
+round, when they are half the peers that serve, keep an honest minority that moved on while they were away
+above the ceiling: to them it is what colluders claiming rounds ahead are. And when peers that left alone
+hold the swarm's last round, a peer restarted beside another restarted peer trains on with it.
 
 Round claims are also bounded (`plausible`) for what does not go through the quorum: a round more than one
 past the lower median of the other live peers' rounds (with no other peer live, of the others' last commits)
@@ -114,30 +116,32 @@ def winner(counts: Counter) -> Optional[str]:
     return max(counts, key=lambda h: (counts[h], h)) if counts else None
 
 
-def voters(me: str, progress: Sequence[ProgressRecord], now: float, window: float) -> list[ProgressRecord]:
-    """Whose word counts for the quorum: us, and the live peers that serve their state. A peer taking a state
-    (a newcomer, a peer restarted from an old checkpoint) serves none meanwhile, so a burst of them does not
-    outnumber the peers they are catching up with; a client (`swarm.client_mode`) serves none either."""
-    return [r for r in progress if is_live(r, now, window) and (r.peer_id == me or r.serves_state)]
+def ceiling(me: str, live: Sequence[ProgressRecord]) -> Optional[int]:
+    """The highest round a claim may name: one past the lower median of the rounds of the other live peers that
+    serve their state (None: none does). A peer taking a state (a newcomer, a peer restarted from an old
+    checkpoint) serves none meanwhile, so a burst of them does not drag it below the peers they catch up with;
+    k peers claiming rounds far ahead, k below half, leave it at an honest round."""
+    rounds = sorted(r.round for r in live if r.peer_id != me and r.serves_state)
+    return rounds[(len(rounds) - 1) // 2] + 1 if rounds else None
 
 
 def certified(me: str, progress: Sequence[ProgressRecord], commits: Mapping[str, CommitRecord], now: float,
               window: float) -> dict[int, str]:
-    """Per round, the hash the swarm committed there, by the quorum rule (module docstring): among the voters,
-    a hash counts only if at least half of them hold it, ties to the larger hash. With no other voter live
-    (every other peer has left, or takes a state), the plausible last commits decide, the most votes winning."""
-    electorate = voters(me, progress, now, window)
-    if not any(r.peer_id != me for r in electorate):
+    """Per round s, the hash the swarm committed there, by the quorum rule (module docstring). With no other peer
+    live (every other peer has left), the plausible last commits decide instead, the most votes winning."""
+    live = [r for r in progress if is_live(r, now, window)]
+    if not any(r.peer_id != me for r in live):
         progress, commits = plausible(me, progress, commits, now, window)
         return {s: winner(counts) for s, counts in votes(progress, commits, now, window).items()}
+    top = ceiling(me, live)
     tally: dict[int, Counter] = defaultdict(Counter)
-    for r in electorate:
-        if r.sha256:
+    for r in live:
+        if r.sha256 and r.serves_state and (top is None or r.round <= top):
             tally[r.round][r.sha256] += 1
     out = {}
     for s, counts in tally.items():
         best = winner(counts)
-        if 2 * counts[best] >= len(electorate):
+        if 2 * counts[best] >= sum(1 for r in live if r.round >= s - 1 or r.serves_state):
             out[s] = best
     return out
 
@@ -163,7 +167,9 @@ def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
         return Position(Verdict.BEHIND, swarm_round, swarm_sha, None, tuple(donors),
                         note=f"behind: the swarm committed round {swarm_round}, we hold round {round}",
                         ignored=ignored)
-    expected = sum(1 for r in live if r.round in (round - 1, round)) + unsure
+    # peers a round ahead whose claim the quorum did not take may be at ours (the claim-ahead attack: left out
+    # of the count, it closed our groups one member short, leaving an honest peer out)
+    expected = sum(1 for r in live if r.round in (round - 1, round, round + 1)) + unsure
     majority = committed.get(round, sha256)
     if majority != sha256:
         donors = tuple(sorted(r.peer_id for r in holders if r.round == round and r.sha256 == majority))

@@ -29,9 +29,12 @@ TABLE = [
     ("the highest round that half the voters hold", 3, A, [progress("p", 4, B), progress("q", 5, C),
                                                            progress("r", 5, C)], {}, Verdict.BEHIND, ("q", "r"), None),
     ("ahead peers on two hashes, neither held by half of the voters: no verdict on them", 3, A,
-     [progress("p", 4, B), progress("q", 5, C)], {}, Verdict.ALONE, (), 1),
-    ("an ahead peer that serves no state is no donor", 3, A, [progress("p", 5, B, serves=False)], {},
-     Verdict.BEHIND, (), None),
+     [progress("p", 4, B), progress("q", 5, C)], {}, Verdict.ALONE, (), 2),
+    ("an ahead peer that serves no state is no vote (nor could it give its state)", 3, A,
+     [progress("p", 5, B, serves=False)], {}, Verdict.ALONE, (), 1),
+    ("an ahead peer that serves no state among those that do is no donor", 3, A,
+     [progress("p", 5, B, serves=False), progress("q", 5, B), progress("r", 5, B)], {}, Verdict.BEHIND,
+     ("q", "r"), None),
     ("everyone ahead has left: behind, no donor", 3, A, [], {"gone": commit(10, B)}, Verdict.BEHIND, (), None),
     ("a dead peer's stale record ahead still counts through its commit", 3, A, [progress("p", 9, B, age=60)],
      {"p": commit(9, B)}, Verdict.BEHIND, (), None),
@@ -168,6 +171,13 @@ QUORUM = [
      [progress(f"new{i}", 3, serves=False) for i in range(4)] + [progress("p", 9, B), progress("q", 9, B)], {},
      Verdict.BEHIND, ("p", "q")),
 ]
+
+
+def test_a_claim_one_round_ahead_still_counts_for_the_group_size():
+    """The claimant may be at our round and join our group: without it in the count, our groups closed one member
+    short of the swarm and left an honest peer out of the round (seen in tests/test_agreement.py)."""
+    others = [progress("p", 3), progress("q", 3), progress("evil", 4, C)]
+    assert assess(ME, 3, A, [progress(ME, 3), *others], {}, NOW, WINDOW).expected_group == 4
 
 
 @pytest.mark.parametrize("situation,others,commits,verdict,donors", QUORUM, ids=[row[0] for row in QUORUM])

@@ -11,7 +11,7 @@ from conftest import fast_cfg
 from hivemind.utils.timed_storage import get_dht_time
 
 from swarm.averaging import Intake, Snapshot
-from swarm.config import OuterConfig
+from swarm.config import OuterConfig, live_window
 from swarm.diloco import DiLoCo, PseudoGradient
 from swarm.errors import SwarmError
 from swarm.net import schema, statesync
@@ -141,8 +141,10 @@ def test_behind_with_no_donor_stops_naming_the_round_the_swarm_reached(pair):
     donor, newcomer = pair
     donor.train_rounds(4)
     donor.publish()
-    donor.averager.records.withdraw_state()  # it stops serving, like a peer that has left
+    donor.averager.records.withdraw_state()  # it stops serving, and leaves: its heartbeat stops
+    donor.averager.records.close()
     newcomer.publish()
+    time.sleep(live_window(donor.averager.cfg))  # gone: its commit record is what tells how far the swarm got
     start = time.monotonic()
     with pytest.raises(SwarmError, match="the swarm reached round 4 .* this peer holds round 0"):
         newcomer.fetch()
@@ -154,7 +156,8 @@ def test_alone_and_behind(pair):
     donor, newcomer = pair
     grad = PseudoGradient([torch.ones(3), torch.zeros(2, 2)], [torch.zeros(3), torch.zeros(2, 2)])
     out = [torch.empty(3), torch.empty(2, 2)]
-    donor.averager.publish_progress(7, 0, 0, 0.0, sha256="c" * 64, wait=True)
+    donor.train_rounds(7)
+    donor.publish()  # at round 7, serving it
     newcomer.averager.publish_progress(5, 0, 0, 0.0, sha256="d" * 64, wait=True)
     outcome = newcomer.averager.average(5, grad, 10, out, "d" * 64)  # the swarm is at round 7: take its state
     assert outcome.averaged is None and outcome.behind, outcome.note
