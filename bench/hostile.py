@@ -29,7 +29,8 @@ PEERS, ATTACKER = 4, 3
 RUN = ["--rounds", "4", "--diloco.inner_steps", "30", "--diloco.delay", "0",  # blocking, as in the committed table
        "--inner.warmup_steps", "10", "--data.eval_batches", "4",
        "--swarm.matchmaking_time", "3", "--swarm.request_timeout", "1", "--swarm.stall_timeout", "10"]
-EXTRA = {"poison-state": ["--join", "2"]}  # a newcomer that downloads the state, maybe from the attacker
+# a newcomer that downloads the state, maybe from the attacker
+EXTRA = {"poison-state": ["--join", "2"], "poison-momentum": ["--join", "2"]}
 # a newcomer started only once the attacker's log has this line (`swarm local --join` starts joiners at once, held:
 # they would check the fingerprint before the sybil voted)
 LATE = {"sybil": "sybil: "}

@@ -15,7 +15,7 @@ round's checkpoint is finished on disk, and `peer.json` and `summary.json` say w
 
 With `--nproc-per-node K` (peers/launch.py, or under torchrun) each of the peer's K ranks runs `run_peer`; rank 0
 is the endpoint above, the others train alongside it (swarm/ranks.py) and each writes `ranks/rank-<k>.json` with
-the round and global-parameter hash it ended on."""
+the round and state hash (swarm/statehash.py) it ended on."""
 
 from __future__ import annotations
 

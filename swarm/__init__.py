@@ -16,8 +16,13 @@ The words, used with one meaning each in code, logs and docs:
 - **commit**: an exchange whose group agreed on the same averaged bytes lands: the outer step is applied, the new
   global hash recorded, the state served. Otherwise it is **discarded**: the local model keeps its progress and
   the fragment's next exchange covers both. `Trainer._settle` is the one place that decides.
-- **state**: what a peer serves and a newcomer (or a peer found behind) takes: global parameters, outer momentum,
-  inner optimizer state and the position (round, inner step, outer steps) (swarm/state.py).
+- **state**: what a peer serves and a newcomer (or a peer found behind) takes: global parameters, outer momentum
+  and the position (rounds closed, outer steps, inner step of the round) (swarm/state.py). Its inner optimizer
+  state stays its own (in its checkpoints, never served).
+- **state hash** (the "global hash"): sha256 of the global parameters, then the outer momentum, bound to the count
+  of rounds closed (swarm/statehash.py): what a peer records for each outer step it commits, what commit records
+  vouch for, and what a taker checks a downloaded state against. It covers everything a taken state sets that is
+  the same on every peer of one lineage; what differs between honest peers is not taken from a donor.
 """
 
 __version__ = "0.1.0"

@@ -71,7 +71,7 @@ class Snapshot:
     (a read that sees the version move is abandoned: the donor committed again or is loading a state)."""
 
     round: int
-    sha256: str  # of the global parameters, as committed
+    sha256: str  # the state's hash (swarm/statehash.py), as committed
     meta: dict[str, Any]  # JSON-able scalars: schedule position, learning rates
     tensors: dict[str, torch.Tensor]  # state.shared_tensors(), in order
     version: int  # DiLoCo.version when taken
@@ -82,8 +82,8 @@ class Snapshot:
 class Intake:
     """How a trainer takes a downloaded state in: `destinations(specs)` gives the tensors to write each named
     tensor into (ValueError if the state does not fit), `accept(meta, outer_steps)` applies the scalars once every
-    byte arrived and the global-parameter hash matched the one the swarm committed at that count of outer steps
-    (as the donor's commit records and the state's header say: not read from `meta`)."""
+    byte arrived and the state's hash (swarm/statehash.py) matched the one the swarm committed at that count of outer
+    steps (as the donor's commit records and the state's header say: not read from `meta`)."""
 
     destinations: Callable[[list[TensorSpec]], dict[str, torch.Tensor]]
     accept: Callable[[dict[str, Any], int], None]
@@ -100,7 +100,7 @@ class Averager(ABC):
         """Average `pseudo_grad` (weighted by `samples`) with the peers that committed `outer_step` outer steps,
         into `out`.
 
-        `base` is the hash of the global parameters the pseudo-gradient was taken from: only peers on the
+        `base` is the state's hash (swarm/statehash.py) the pseudo-gradient was taken from: only peers on the
         same base may average together (a step applied to different bases would never reconcile them).
         With `diloco.fragments` F > 1, `pseudo_grad` covers one fragment's tensors (swarm/fragments.py).
         """

@@ -19,17 +19,21 @@ which groupmates may still be reading from us (allreduce.py repairs).
 
 `version` is a seqlock for readers on other threads (the state server): odd while the global parameters
 or the outer momentum are being changed, and different after every change.
+
+`global_sha256()` is the state's hash (swarm/statehash.py: the global parameters, the outer momentum and the
+count of rounds closed), what a peer records for each outer step it commits. Its digest of the tensors is taken
+once per change and kept until the next (`changing()` drops it), so asking again costs nothing.
 """
 
 from __future__ import annotations
 
-import hashlib
 from typing import Optional, Sequence
 
 import torch
 
 from swarm.config import OuterConfig
 from swarm.sharding import Layout, Shards, local_params
+from swarm.statehash import state_sha256, tensors_digest
 from swarm.tensors import all_finite
 
 
@@ -97,7 +101,7 @@ class DiLoCo:
         self.round = 0  # rounds closed so far
         self.outer_steps = 0  # outer steps committed so far, on any fragment (swarm/__init__.py)
         self.version = 0
-        self._sha256: Optional[str] = None  # hash of global_params; reset whenever they change
+        self._digest: Optional[str] = None  # of the global parameters and momentum (statehash); reset on a change
 
     def pseudo_gradient(self, residual: Optional[Sequence[torch.Tensor]] = None) -> PseudoGradient:
         return PseudoGradient(self.global_params, self.params, residual)
@@ -183,23 +187,27 @@ class DiLoCo:
         for p, g in zip(self.params, self.global_params):
             p.copy_(g.to(p.device, p.dtype))
 
-    def global_sha256(self) -> str:
-        """Hash of the global parameters' bytes: equal on every peer that committed the same rounds. A sharded
-        peer's ranks compute it together (`Shards.sha256`), where it is not known yet at the same point."""
-        if self._sha256 is None and self.shards is not None:
-            self._sha256 = self.shards.sha256(self.global_params)
-        if self._sha256 is None:
-            digest = hashlib.sha256()
-            for g in self.global_params:
-                digest.update(memoryview(g.detach().cpu().contiguous().numpy()).cast("B"))
-            self._sha256 = digest.hexdigest()
-        return self._sha256
+    def hashed_tensors(self) -> list[torch.Tensor]:
+        """The tensors the state's hash covers, in its order: the global parameters, then the outer momentum (if
+        any) (swarm/statehash.py)."""
+        return [*self.global_params, *(self.momentum_buffers() or [])]
 
+    def global_sha256(self) -> str:
+        """The state's hash (swarm/statehash.py): of the global parameters, the outer momentum and the count of
+        rounds closed; equal on every peer that committed the same outer steps. A sharded peer's ranks digest the
+        tensors together (`Shards.sha256`), where it is not known yet at the same point."""
+        if self._digest is None and self.shards is not None:
+            self._digest = self.shards.sha256(self.hashed_tensors())
+        if self._digest is None:
+            self._digest = tensors_digest(self.hashed_tensors())
+        return state_sha256(self._digest, self.round)
 
     def known_sha256(self) -> Optional[str]:
         """`global_sha256()` where no collective is needed (always on an unsharded peer); else None: for paths
         that only some ranks take (a peer that failed)."""
-        return self.global_sha256() if self.shards is None else self._sha256
+        if self.shards is None or self._digest is not None:
+            return self.global_sha256()
+        return None
 
 
 class _Changing:
@@ -208,8 +216,8 @@ class _Changing:
 
     def __enter__(self):
         self.diloco.version += 1
-        self.diloco._sha256 = None
+        self.diloco._digest = None
 
     def __exit__(self, *exc):
         self.diloco.version += 1
-        self.diloco._sha256 = None
+        self.diloco._digest = None

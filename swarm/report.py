@@ -6,7 +6,7 @@ again after a crash appears twice, at two times). Columns: `METRICS_COLUMNS`.
 
 summary.json holds `run`, `mode`, `config` (resolved), `wall_s`, `events`, and `peers`: per peer
 `peer_id`, `rounds_completed` and `final_global_sha256` (the round and hash it ended on, committed or
-downloaded from a peer), `round_hashes` (global-parameter sha256 after each committed round),
+downloaded from a peer), `round_hashes` (the state's hash, swarm/statehash.py, after each committed round),
 `initial_eval_loss`, `train_loss` and `eval_loss` (per committed round), `compute_s`, `comm_s`,
 `wait_s` (with diloco.delay: the time inner steps stopped for an exchange that ran behind them; comm_s then
 runs in the background), `overhead_s`, `bytes_sent`, `bytes_received` (all-reduce payload, totals),

@@ -21,8 +21,9 @@ takes the outer step on its own rows. Rank 0 holds, while an exchange is in flig
 the fragment and its average (8 bytes per parameter of the fragment: `diloco.fragments` F cuts it to 1/F);
 no rank ever holds the full global parameters, momentum or moments.
 
-The hash of the global parameters (`sha256`) is the same sha256 over the same bytes as an unsharded peer's: rank
-0 feeds it each tensor, gathered one at a time, and tells the others the digest. It is a collective: every rank
+The state's hash (swarm/statehash.py: global parameters, outer momentum, rounds closed) is the same as an
+unsharded peer's: `sha256` is the same sha256 over the same bytes of the global parameters and momentum, rank 0
+feeding it each tensor, gathered one at a time, and telling the others the digest. It is a collective: every rank
 computes it at the same point (after each outer step, and where the state changed).
 
 One rank (K = 1): `inner.parallel: fsdp` is the same as no sharding (nothing to shard over); `shard_model`
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from swarm.errors import UsageError
+from swarm.statehash import tensor_bytes
 
 BLOCK_LISTS = ("layers", "h", "blocks")  # attribute names of a model's list of transformer blocks
 MMAP_THRESHOLD = 1 << 16  # bytes: glibc serves larger allocations from mmap, returned to the kernel when freed
@@ -186,13 +188,15 @@ class Shards:
         return bool(box.item())
 
     def sha256(self, tensors: Sequence[torch.Tensor]) -> str:
-        """sha256 of the bytes of the whole tensors whose rows `tensors` are (every rank at once): the hash an
-        unsharded peer takes of the same values. Rank 0 holds one whole tensor at a time."""
+        """`statehash.tensors_digest` of the whole tensors whose rows `tensors` are (every rank at once): the digest
+        an unsharded peer takes of the same values. `tensors` run through the layout's tensors in order, once or
+        more (the global parameters, then the outer momentum). Rank 0 holds one whole tensor at a time."""
         digest = hashlib.sha256() if self.root else None
+        count = len(self.layout.shapes)
         for i, t in enumerate(tensors):
-            whole = self.gather(i, t)
+            whole = self.gather(i % count, t)
             if digest is not None:
-                digest.update(memoryview(whole.numpy()).cast("B"))
+                digest.update(tensor_bytes(whole))
         box = [digest.hexdigest() if digest is not None else None]
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]

@@ -13,11 +13,13 @@ With `inner.optimizer: adamw8bit` (bitsandbytes) the moments are `adam.{i}.state
 for tensors under 4096 elements) and `absmax1`, `absmax2` (fp32, one per block of 256); its step count is an
 int that bitsandbytes keeps per tensor, set from the peer's inner step (`set_optimizer_step`).
 
-A checkpoint adds this peer's own `error_feedback.{i}` (fp32) and `rng` (uint8) after them; those are never
-served. It stores every tensor by its parameter's state_dict name instead of its position (`StateNames`:
-`global.model.layers.0.mlp.up_proj.weight`, `adam.model.layers.0.mlp.up_proj.weight.exp_avg`). Every tensor
-received, from a file or a peer, must match a name, dtype and shape this peer expects before a byte of it is
-written (`destinations`), so a state that does not fit is refused, not half-loaded.
+A served state (`served_tensors`) is its first two kinds only, the ones the state's hash covers
+(swarm/statehash.py); the AdamW moments travel between a peer's own ranks and into its checkpoints, never to
+another peer. A checkpoint adds this peer's own `error_feedback.{i}` (fp32) and `rng` (uint8) after them; those
+are never served either. It stores every tensor by its parameter's state_dict name instead of its position
+(`StateNames`: `global.model.layers.0.mlp.up_proj.weight`, `adam.model.layers.0.mlp.up_proj.weight.exp_avg`).
+Every tensor received, from a file or a peer, must match a name, dtype and shape this peer expects before a byte
+of it is written (`destinations`), so a state that does not fit is refused, not half-loaded.
 """
 
 from __future__ import annotations
@@ -128,15 +130,19 @@ class TensorSpec:
 
 
 def shared_tensors(diloco: DiLoCo, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """The live tensors of the shared state, by name, in order (no copies)."""
-    out = {f"global.{i}": g for i, g in enumerate(diloco.global_params)}
-    momentum = diloco.momentum_buffers()
-    if momentum is not None:
-        out.update({f"momentum.{i}": b for i, b in enumerate(momentum)})
+    """The live tensors of the shared state, by name, in order (no copies): the served ones, then the moments."""
+    out = served_tensors(diloco)
     states = [optimizer.state.get(p, {}) for p in diloco.params]
     if all(_moments(optimizer, s) for s in states):
         for i, s in enumerate(states):
             out.update({f"adam.{i}.{k}": t for k, t in _moments(optimizer, s).items()})
+    return out
+
+
+def served_tensors(diloco: DiLoCo) -> dict[str, torch.Tensor]:
+    """The live tensors a peer serves to another, by name, in order: those the state's hash covers (no copies)."""
+    out = {f"global.{i}": g for i, g in enumerate(diloco.global_params)}
+    out.update({f"momentum.{i}": b for i, b in enumerate(diloco.momentum_buffers() or [])})
     return out
 
 

@@ -21,6 +21,7 @@ from swarm.checkpoint import Checkpointer, CorruptCheckpoint
 from swarm.errors import SwarmError
 from swarm.history import history_from_dict, history_to_dict
 from swarm.state import StateNames, TensorSpec
+from swarm.statehash import covers
 from swarm.tensors import dtype_of
 
 if TYPE_CHECKING:
@@ -78,17 +79,19 @@ class TrainerState:
                 "hf_config": json.loads(self.model.config.to_json_string(use_diff=False))}
 
     def snapshot(self) -> Snapshot:
-        """What this peer now holds, to serve; also recorded as where it stands (summary.json)."""
+        """What this peer now holds, to serve: the global parameters and outer momentum under the state's hash
+        (swarm/statehash.py), never its AdamW moments; also recorded as where it stands (summary.json)."""
         sha = self.diloco.global_sha256()
         self.history.final_round, self.history.final_global_sha256 = self.diloco.round, sha
         # With fragments a state is taken mid-round too: its taker goes on from the same inner step of the round
         # (swarm/fragments.py); with one fragment a taker starts the round, and cuts it short to meet the others.
+        # `step` is for the record only: a taker does not take it (intake).
         meta = {"round": self.diloco.round, "step": self.step, "inner": self.inner if self.fragments.streaming else 0}
         if self.diloco.shards is not None:  # every rank: gathered into rank 0's copy (swarm/shard_state.py)
             served = self.served
             return Snapshot(self.diloco.outer_steps, sha, meta, served.refresh(self.diloco, self.diloco.shards) or {},
                             served.version, lambda: served.version)
-        return Snapshot(self.diloco.outer_steps, sha, meta, peer_state.shared_tensors(self.diloco, self.optimizer),
+        return Snapshot(self.diloco.outer_steps, sha, meta, peer_state.served_tensors(self.diloco),
                         self.diloco.version, lambda: self.diloco.version)
 
     def serve_state(self) -> None:
@@ -96,14 +99,20 @@ class TrainerState:
         self.averager.offer_state(self.snapshot())
 
     def intake(self) -> Intake:
+        """How a downloaded state is taken in: only what the state's hash covers (swarm/statehash.py), so that a
+        donor can hand us nothing the swarm's commit records do not vouch for. A state carrying any other tensor
+        (AdamW moments) is refused, naming it; our inner optimizer starts afresh. The position: the rounds
+        closed (hashed), the inner step of the round (bounded: below H, and 0 with one fragment), and from them
+        the schedule's inner step `rounds * H + inner`, whatever step the donor says it is at (its own)."""
+        steps = self.cfg.diloco.inner_steps
+
         def accept(meta: dict[str, Any], outer_steps: int) -> None:
-            position = [meta.get("round"), meta.get("step"), meta.get("inner", 0)]  # older peers send no inner
-            round, step, inner = position
-            if not (all(type(v) is int and v >= 0 for v in position) and round <= outer_steps
-                    and inner < self.cfg.diloco.inner_steps):
-                raise ValueError(f"state position round={round!r} step={step!r} inner={inner!r} at "
-                                 f"{outer_steps} outer steps is not a position of this run")
-            self._set_position(round, step, outer_steps, inner)
+            round, inner = meta.get("round"), meta.get("inner", 0)  # older peers send no inner
+            if not (all(type(v) is int and v >= 0 for v in (round, inner)) and round <= outer_steps
+                    and inner < steps and (inner == 0 or self.fragments.streaming)):
+                raise ValueError(f"state position round={round!r} inner={inner!r} at {outer_steps} outer steps "
+                                 f"is not a position of this run")
+            self._set_position(round, round * steps + inner, outer_steps, inner)
             self.error_feedback = None  # it belonged to the local progress we just dropped
             self.diloco.sync_local()
             self._taken = incoming[0] if incoming else None  # a sharded peer's ranks take their rows of it next
@@ -111,6 +120,10 @@ class TrainerState:
         incoming: list[shard_state.Whole] = []
 
         def destinations(specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
+            foreign = [s.name for s in specs if not covers(s.name)]
+            if foreign:
+                raise ValueError(f"the state carries {foreign[0]}, which the state's hash does not cover: one "
+                                 f"takes only global parameters and outer momentum (a donor's AdamW moments are its)")
             if self.diloco.shards is None:
                 return peer_state.destinations(self.diloco, self.optimizer, specs)
             incoming[:] = [shard_state.incoming(self.diloco, self.out_dir / "shards", specs)]

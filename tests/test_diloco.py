@@ -90,7 +90,36 @@ def test_shared_state_round_trips_by_name_and_refuses_another_shape():
     targets = destinations(other, other_opt, [TensorSpec.of(k, t) for k, t in sent.items()])
     for name, t in sent.items():
         targets[name].copy_(t)
+    other.round = donor.round  # the position a taker's intake sets, which the hash covers too
     assert other.global_sha256() == donor.global_sha256()
     assert torch.equal(other_opt.state[other.params[0]]["exp_avg"], opt.state[donor.params[0]]["exp_avg"])
     with pytest.raises(ValueError, match="expected global.0"):
         destinations(other, other_opt, [TensorSpec("global.0", "float32", (3,))])
+
+
+def test_the_state_hash_covers_the_momentum_and_the_rounds_and_is_taken_once_per_change(monkeypatch):
+    """The hash a peer commits is of everything a downloaded state sets alike on every peer (swarm/statehash.py):
+    a donor that changed only a momentum buffer, or only the count of rounds closed, serves another hash. The
+    tensors are read once per change, however often the hash is asked for."""
+    import swarm.diloco
+
+    digests = []
+    real = swarm.diloco.tensors_digest
+    monkeypatch.setattr(swarm.diloco, "tensors_digest", lambda tensors: digests.append(1) or real(tensors))
+    diloco = DiLoCo(_model([1.0, 2.0]), OuterConfig())
+    before_momentum = diloco.global_sha256()
+    for _ in range(2):
+        diloco.outer_step([torch.tensor([[0.1, 0.2]])])
+    committed, params = diloco.global_sha256(), [g.clone() for g in diloco.global_params]
+    assert diloco.momentum_buffers() is not None and committed != before_momentum
+    assert [diloco.global_sha256() for _ in range(3)] == [committed] * 3 and len(digests) == 2  # kept
+
+    with diloco.changing():
+        diloco.momentum_buffers()[0][0, 0] += 1e-3  # the momentum alone, as a poisoning donor would serve it
+    assert all(torch.equal(g, p) for g, p in zip(diloco.global_params, params))
+    assert diloco.global_sha256() != committed and len(digests) == 3
+    with diloco.changing():
+        diloco.momentum_buffers()[0][0, 0] -= 1e-3
+    assert diloco.global_sha256() == committed
+    diloco.round += 1  # another count of rounds closed on the same tensors
+    assert diloco.global_sha256() != committed and len(digests) == 4

@@ -294,3 +294,32 @@ def test_wandb_offline_keeps_every_round_and_a_resumed_peer_goes_on_in_the_same_
     assert logs  # one file per start (two starts in one second share a folder), one W&B run: `wandb sync` merges them
     assert all(b"loss/train" in log.read_bytes() and b"inner_step" in log.read_bytes() for log in logs)
     assert len((tmp_path / "metrics.csv").read_text().splitlines()) == 3  # the header and a row per round
+
+
+@pytest.mark.timeout(60)
+def test_a_taken_state_sets_only_what_its_hash_covers(tmp_path):
+    """A donor serves its global parameters and outer momentum, never its AdamW moments; a taker refuses a state
+    that carries them (no hash vouches for a donor's own moments), starts its inner optimizer afresh, and puts
+    itself on the schedule at the committed round whatever step the donor claims (swarm/statehash.py)."""
+    from swarm.state import shared_tensors
+
+    cfg = tiny_config(diloco={"rounds": 2, "inner_steps": 4}, checkpoint={"every": 0})
+    donor = Trainer(cfg, SoloAverager(), "donor", shard=0, out_dir=tmp_path / "donor")
+    donor.train()
+    served = donor.snapshot()
+    assert {k.partition(".")[0] for k in served.tensors} == {"global", "momentum"}
+    taker = Trainer(cfg, SoloAverager(), "taker", shard=1, out_dir=tmp_path / "taker")
+    intake = taker.intake()
+    with_moments = shared_tensors(donor.diloco, donor.optimizer)
+    with pytest.raises(ValueError, match=r"carries adam\.0\.exp_avg, which the state's hash does not cover"):
+        intake.destinations([TensorSpec.of(k, t) for k, t in with_moments.items()])
+    taker.model(torch.zeros(1, 8, dtype=torch.long)).logits.sum().backward()
+    taker.optimizer.step()  # moments of its own, which a taken state drops
+    targets = intake.destinations([TensorSpec.of(k, t) for k, t in served.tensors.items()])
+    for name, target in targets.items():
+        target.copy_(served.tensors[name])
+    with pytest.raises(ValueError, match="not a position of this run"):
+        intake.accept(dict(served.meta, inner=1), served.round)  # one fragment: a taker starts the round
+    intake.accept(dict(served.meta, step=10**6), served.round)
+    assert (taker.diloco.round, taker.step) == (2, 2 * 4) and not taker.optimizer.state
+    assert taker.diloco.global_sha256() == donor.diloco.global_sha256() == served.sha256

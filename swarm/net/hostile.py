@@ -162,9 +162,11 @@ class Attacker(Hooks):
         return bytes([payload[0] ^ 1]) + bytes(payload[1:])
 
     def state(self, name: str, data: bytes) -> bytes:
-        if "poison-state" not in self.kinds or not name.startswith("global."):
-            return data
-        return bytes(b ^ 0x01 for b in data)  # same shapes and dtypes, other values
+        if "poison-state" in self.kinds and name.startswith("global."):
+            return bytes(b ^ 0x01 for b in data)  # same shapes and dtypes, other values
+        if "poison-momentum" in self.kinds and name.startswith("momentum."):
+            return poisoned_momentum(data)
+        return data
 
     async def run(self, reach: Reach) -> None:
         await asyncio.gather(*[attack(reach) for kind, attack in (("flood", self._flood), ("trickle", self._trickle),
@@ -261,6 +263,12 @@ def sybil_attack(dht, cfg, budget_s: float = SYBIL_BUDGET_S, count: int = SYBILS
     logger.warning(f"sybil: {len(sybils)} identities signed fingerprint {forged_fp} (outer.lr x 10), "
                    f"{per_identity:.2f} s each to mint with swarm.identity_work {cfg.identity_work}")
     return {"identities": len(sybils), "s_per_identity": per_identity, "fingerprint": forged_fp}
+
+
+def poisoned_momentum(data: bytes) -> bytes:
+    """poison-momentum: fp32 momentum bytes (a whole number of values: DATA frames are cut at 2^20 bytes) made -10x
+    themselves, so that a taker's next outer steps would run the other way, far."""
+    return (torch.frombuffer(bytearray(data), dtype=torch.float32) * -10.0).numpy().tobytes()
 
 
 def hooks_for(kinds: list[str]) -> Hooks:

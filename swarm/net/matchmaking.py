@@ -101,7 +101,7 @@ class GroupMeta(BaseModel):
     token: confloat(ge=1.0, le=2.0**16, strict=True)
     samples: conint(ge=0, strict=True) = 0  # inner samples since the last commit: the member's weight
     numel: conint(ge=0, strict=True) = 0  # elements of the vector it averages
-    base: schema.Sha256 = ""  # hash of the global parameters its pseudo-gradient starts from
+    base: schema.Sha256 = ""  # the state's hash (statehash.py) its pseudo-gradient starts from
     chunk: Optional[conint(ge=0, strict=True)] = None  # elements per chunk it asks for (grouping.agreed_chunk)
     client: StrictBool = False  # it cannot be dialed (swarm.client_mode): it owns no part (allreduce/layout.py)
     key: StrictBytes = b""  # the member's public key, and its signature over the rest (signedmeta.py, checked

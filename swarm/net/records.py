@@ -51,7 +51,7 @@ class Records:
         self._dht_lock = threading.Lock()  # the trainer's thread and the heartbeat share the DHT's pipe
         self._stopping = threading.Event()
         self._progress_due = threading.Event()  # the trainer published a record: the heartbeat stores it now
-        self._committed = ""  # hash of the global parameters of our last commit (offer_state)
+        self._committed = ""  # the state's hash (swarm/statehash.py) of our last commit (offer_state)
         self._commit_lock = threading.Lock()
         self._offered: Optional[Snapshot] = None  # the state offer_state was last given (None: withdrawn)
         self._pending_commit: Optional[Snapshot] = None  # offered, its commit record not stored yet
@@ -72,7 +72,7 @@ class Records:
 
     @property
     def committed(self) -> str:
-        """Hash of the global parameters of our last commit ("" before the first)."""
+        """The state's hash of our last commit ("" before the first)."""
         return self._committed
 
     @property
@@ -239,7 +239,7 @@ class Records:
         return list(records.values())
 
     def assess(self, outer_step: int, sha256: str, commits: bool = True) -> policy.Position:
-        """Where we stand at `outer_step` with global parameters `sha256` by the records (policy.assess); without
+        """Where we stand at `outer_step` with state hash `sha256` by the records (policy.assess); without
         `commits`, the commit records are not read (`others_ready` needs only the progress records). A read
         that failed makes it UNSURE."""
         records = self.read(schema.commits_key(self.cfg.run_id), schema.CommitRecord) if commits else {}

@@ -1,23 +1,24 @@
 """Newcomers download a peer's state tensor by tensor, straight into their own tensors.
 
-A donor serves its latest `Snapshot` (the live tensors of its last committed round, `state.py` names) over
-one stream: a MANIFEST (round, hash of the global parameters, schedule position, and every tensor's name,
-dtype, shape and byte count), then each tensor's bytes in DATA frames of at most `DATA_BYTES`. Nothing is
-serialized into one blob on either side, and nothing is copied to serve it: global parameters and outer
-momentum do not change until the donor's next outer step, and it reads them under its `DiLoCo.version`
-seqlock: if it commits again (or starts loading a state) mid-download, it stops with FAIL and the newcomer
-tries again. They come first, so only they must arrive within one of the donor's rounds. The AdamW
-moments, last, are the donor's current ones (its inner steps go on while it serves): a newcomer's inner
-optimizer starts warm from them, and no hash covers them because no two peers share them anyway.
+A donor serves its latest `Snapshot` (the live tensors of its last committed outer step, `state.py` names) over
+one stream: a MANIFEST (outer steps, the state's hash, schedule position, and every tensor's name, dtype, shape
+and byte count), then each tensor's bytes in DATA frames of at most `DATA_BYTES`. Nothing is serialized into one
+blob on either side, and nothing is copied to serve it: global parameters and outer momentum do not change until
+the donor's next outer step, and it reads them under its `DiLoCo.version` seqlock: if it commits again (or
+starts loading a state) mid-download, it stops with FAIL and the newcomer tries again. A served state holds
+nothing else: a donor's AdamW moments are its own (swarm/statehash.py says why a taker starts its inner
+optimizer afresh).
 
-The receiver checks before it writes a byte: the round and hash must be what the swarm committed
+The receiver checks before it writes a byte: the outer steps and hash must be what the swarm committed
 (`check`, from the DHT records, not from the donor), and every tensor must be one it expects, by name,
 dtype, shape and byte count (`Intake.destinations`). Each DATA frame may hold no more than the rest of
 its tensor, so no donor can make it buffer more than one frame; bytes are written in place on the
-receiver's own device. After the last byte the global parameters must hash to the announced hash. Any
-refusal raises `StateRefused` naming the reason; the caller then tries the next donor. A failed download
-leaves the receiver's state overwritten in part: the caller (catch-up) never trains on it, it takes
-another donor's state or stops.
+receiver's own device. After the last byte the state must hash to the announced hash (swarm/statehash.py: the
+global parameters, the outer momentum and the rounds closed of the manifest's `meta`), or it is `StateForged`:
+a donor that changed any of them under its committed hash is refused and charged. Any refusal raises
+`StateRefused` naming the reason; the caller then tries the next donor. A failed download leaves the
+receiver's state overwritten in part: the caller (catch-up) never trains on it, it takes another donor's
+state or stops.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from swarm.net.budget import transfer_deadline
 from swarm.net.hostile import Hooks
 from swarm.net.wire import FIRST_FRAME_STALLS, Channel, Kind, ProtocolError, serve
 from swarm.state import TensorSpec
+from swarm.statehash import covers, state_sha256
 from swarm.tensors import byte_view
 
 logger = logging.getLogger(__name__)
@@ -101,7 +103,7 @@ class StateServer:
                 for start in range(0, spec.nbytes, DATA_BYTES):
                     end = min(start + DATA_BYTES, spec.nbytes)
                     data = await loop.run_in_executor(self.pool, self._read, snapshot, tensor, start, end,
-                                                      not spec.name.startswith("adam."))
+                                                      covers(spec.name))
                     await channel.send(Kind.DATA, self.hooks.state(spec.name, data))
         except Moved as e:
             await channel.fail(str(e))
@@ -113,7 +115,7 @@ def _manifest(value: dict) -> tuple[int, str, dict, list[TensorSpec]]:
     """(round, sha256, meta, specs) of a donor's manifest; StateRefused if anything is malformed."""
     round, sha, meta, entries = (value.get(k) for k in ("round", "sha256", "meta", "tensors"))
     if not (isinstance(round, int) and round >= 0 and isinstance(sha, str) and isinstance(meta, dict)
-            and isinstance(entries, list)):
+            and type(meta.get("round")) is int and isinstance(entries, list)):
         raise StateRefused("malformed manifest")
     specs = []
     for entry in entries:
@@ -153,7 +155,7 @@ async def download(p2p: P2P, peer: PeerID, name: str, stall: float, min_bandwidt
         def write(spec: TensorSpec, start: int, payload: bytearray) -> None:
             data = torch.frombuffer(payload, dtype=torch.uint8)
             byte_view(targets[spec.name])[start:start + len(payload)].copy_(data)
-            if spec.name.startswith("global."):
+            if covers(spec.name):
                 digest.update(payload)
 
         try:
@@ -169,9 +171,10 @@ async def download(p2p: P2P, peer: PeerID, name: str, stall: float, min_bandwidt
         except TimeoutError:
             raise StateRefused(f"{total} bytes not done within {transfer_deadline(total, stall, min_bandwidth):.0f} s "
                                f"(swarm.min_bandwidth)") from None
-        if digest.hexdigest() != sha:
-            raise StateForged(f"its global parameters hash to {digest.hexdigest()[:12]}, not the announced "
-                               f"{sha[:12]}")
+        got_sha = state_sha256(digest.hexdigest(), meta.get("round"))
+        if got_sha != sha:
+            raise StateForged(f"its global parameters, outer momentum and rounds closed hash to {got_sha[:12]}, not "
+                              f"the announced {sha[:12]}")
         try:
             intake.accept(meta, round)
         except ValueError as e:

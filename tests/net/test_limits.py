@@ -4,7 +4,6 @@ are socket pairs between stand-ins for P2P (loopback_p2p.py), the DHT a stand-in
 
 import asyncio
 import concurrent.futures
-import hashlib
 import resource
 import threading
 import time
@@ -29,6 +28,7 @@ from swarm.net.hostile import TRICKLE_STREAMS, Attacker, Hooks, Reach
 from swarm.net.identity import load_identity
 from swarm.net.records import Records
 from swarm.net.wire import HEADER, Channel, Closed, Kind, PeerFailed, serve
+from swarm.statehash import state_sha256, tensors_digest
 
 STALL = 0.3
 
@@ -183,8 +183,8 @@ def test_the_fingerprint_check_ends_after_bootstrap_timeout():
 def test_a_state_download_checks_the_donor_s_claim_off_the_network_loop():
     """`check` reads the DHT (blocking) in a real peer: it must run in the pool, never on the loop."""
     weights = torch.arange(12, dtype=torch.float32)
-    sha = hashlib.sha256(weights.numpy().tobytes()).hexdigest()
-    snapshot = Snapshot(5, sha, {"step": 1}, {"global.0": weights}, 0, lambda: 0)
+    sha = state_sha256(tensors_digest([weights]), 1)  # the state's hash: its tensors and its rounds closed
+    snapshot = Snapshot(5, sha, {"round": 1, "step": 1}, {"global.0": weights}, 0, lambda: 0)
     target, accepted, checked_on = torch.zeros(12), [], []
 
     def check(round, got_sha):
@@ -213,7 +213,7 @@ def test_a_state_download_checks_the_donor_s_claim_off_the_network_loop():
         pool.shutdown()
         return got, beats
     got, beats = asyncio.run(main())
-    assert got.round == 5 and torch.equal(target, weights) and accepted == [({"step": 1}, 5)]
+    assert got.round == 5 and torch.equal(target, weights) and accepted == [({"round": 1, "step": 1}, 5)]
     assert checked_on and checked_on[0] is not threading.main_thread() and beats >= 5
 
 

@@ -11,7 +11,7 @@ from conftest import fast_cfg
 from hivemind.utils.timed_storage import get_dht_time
 
 from swarm.averaging import Intake, Snapshot
-from swarm.config import OuterConfig, live_window
+from swarm.config import FaultsConfig, OuterConfig, live_window
 from swarm.diloco import DiLoCo, PseudoGradient
 from swarm.errors import SwarmError
 from swarm.net import schema, statesync
@@ -19,7 +19,7 @@ from swarm.net.dht import start_dht
 from swarm.net.hostile import Hooks
 from swarm.net.identity import load_identity
 from swarm.net.peer import SwarmAverager
-from swarm.state import destinations, shared_tensors
+from swarm.state import destinations, served_tensors
 
 CFG = dict(progress_interval=0.2, stall_timeout=2.0)
 
@@ -32,11 +32,11 @@ class Peer:
         self.averager, self.model = averager, torch.nn.Linear(4, 4)
         self.diloco = DiLoCo(self.model, OuterConfig())
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=0.1)
-        self.step = 0
+        self.step, self.batches = 0, torch.Generator().manual_seed(seed)  # two peers of one seed train alike
 
     def train_rounds(self, rounds: int) -> None:
         for _ in range(rounds):
-            self.model(torch.randn(2, 4)).sum().backward()
+            self.model(torch.randn(2, 4, generator=self.batches)).sum().backward()
             self.opt.step()
             self.opt.zero_grad()
             self.step += 1
@@ -44,7 +44,7 @@ class Peer:
 
     def snapshot(self) -> Snapshot:
         return Snapshot(self.diloco.round, self.diloco.global_sha256(), {"round": self.diloco.round,
-                        "step": self.step}, shared_tensors(self.diloco, self.opt), self.diloco.version,
+                        "step": self.step}, served_tensors(self.diloco), self.diloco.version,
                         lambda: self.diloco.version)
 
     def intake(self) -> Intake:
@@ -53,32 +53,45 @@ class Peer:
             self.diloco.sync_local()
         return Intake(lambda specs: destinations(self.diloco, self.opt, specs), accept)
 
-    def fetch(self):
+    def fetch(self, donors=None):
         """The trainer's catch-up: our state may change meanwhile (version, hash)."""
         with self.diloco.changing():
-            return self.averager.fetch_state(self.intake(), self.diloco.round, self.diloco.global_sha256())
+            return self.averager.fetch_state(self.intake(), self.diloco.round, self.diloco.global_sha256(), donors)
 
     def publish(self) -> None:
         self.averager.offer_state(self.snapshot(), wait=True)
         self.averager.publish_progress(self.diloco.round, 0, 0, 0.0, sha256=self.diloco.global_sha256(), wait=True)
 
 
-@pytest.fixture
-def pair(bootstrap):
-    """A donor and a newcomer on a fresh bootstrap."""
+def _peers(bootstrap, names, seeds, faults=None):
+    """Peers on a fresh bootstrap (`faults`: by name, a peer's FaultsConfig)."""
     cfg = fast_cfg(initial_peers=bootstrap, **CFG)
     dhts, averagers = [], []
     try:
-        for name in ("donor", "newcomer"):
+        for name in names:
             identity = load_identity(None)
             dhts.append(start_dht(cfg, identity, fingerprint="fp"))
-            averagers.append(SwarmAverager(cfg, dhts[-1], identity, "fp", name))
-        yield Peer(averagers[0], seed=0), Peer(averagers[1], seed=1)
+            averagers.append(SwarmAverager(cfg, dhts[-1], identity, "fp", name, faults=(faults or {}).get(name)))
+        yield [Peer(averager, seed) for averager, seed in zip(averagers, seeds)]
     finally:
         for averager in averagers:
             averager.close()
         for dht in dhts:
             dht.shutdown()
+
+
+@pytest.fixture
+def pair(bootstrap):
+    """A donor and a newcomer on a fresh bootstrap."""
+    yield from _peers(bootstrap, ("donor", "newcomer"), (0, 1))
+
+
+@pytest.fixture
+def poisoner_honest_newcomer(bootstrap):
+    """Two donors of one seed (they train alike, to one hash), the first a `poison-momentum` attacker, and a
+    newcomer."""
+    yield from _peers(bootstrap, ("poisoner", "honest", "newcomer"), (0, 0, 1),
+                      {"poisoner": FaultsConfig(hostile=["poison-momentum"])})
 
 
 @pytest.mark.timeout(60)
@@ -90,9 +103,10 @@ def test_a_newcomer_takes_the_committed_state_tensor_by_tensor(pair):
     donor.publish()
     got = newcomer.fetch()
     assert got.round == 3 and newcomer.diloco.round == 3 and newcomer.step == 3
-    assert got.bytes > sum(t.numel() * t.element_size() for t in shared_tensors(donor.diloco, donor.opt).values())
+    assert got.bytes > sum(t.numel() * t.element_size() for t in served_tensors(donor.diloco).values())
     assert newcomer.diloco.global_sha256() == donor.diloco.global_sha256()
-    mine, theirs = shared_tensors(newcomer.diloco, newcomer.opt), shared_tensors(donor.diloco, donor.opt)
+    mine, theirs = served_tensors(newcomer.diloco), served_tensors(donor.diloco)
+    assert list(mine) == ["global.0", "global.1", "momentum.0", "momentum.1"]
     assert list(mine) == list(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)
     assert all(torch.equal(p, g) for p, g in zip(newcomer.diloco.params, newcomer.diloco.global_params))
 
@@ -298,3 +312,29 @@ def test_a_refused_state_is_logged_naming_the_donor_and_the_next_attempt_is_made
         assert newcomer.fetch().round == 2
     assert f"state from {donor.averager.peer_id} refused" in caplog.text and "bytes announced" in caplog.text
     assert newcomer.diloco.global_sha256() == donor.diloco.global_sha256()
+
+
+@pytest.mark.timeout(90)
+def test_a_donor_serving_poisoned_momentum_under_its_hash_is_refused_by_name_and_an_honest_one_taken(
+        poisoner_honest_newcomer, caplog):
+    """`poison-momentum` (hostile.py): the poisoner serves its real global parameters and committed hash, and its
+    outer momentum times -10. The state's hash covers the momentum (swarm/statehash.py), so the newcomer refuses
+    it as forged, naming the poisoner, charges it, and takes the honest donor's state: its momentum is the one
+    the swarm committed."""
+    import logging
+
+    poisoner, honest, newcomer = poisoner_honest_newcomer
+    for donor in (poisoner, honest):
+        donor.train_rounds(2)
+        donor.publish()
+    assert poisoner.diloco.global_sha256() == honest.diloco.global_sha256()  # one committed hash at round 2
+    newcomer.publish()
+    ids = [p.averager.peer_id for p in (poisoner, honest)]
+    with caplog.at_level(logging.WARNING, logger="swarm.net.peer"):
+        got = newcomer.fetch(donors=ids)  # the poisoner first
+    assert got.donor == honest.averager.peer_id and got.round == 2
+    refused = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"state from {ids[0]} refused")]
+    assert refused and "outer momentum" in refused[0] and "hash to" in refused[0], caplog.text
+    assert not any(r.getMessage().startswith(f"state from {ids[1]} refused") for r in caplog.records)
+    assert newcomer.diloco.global_sha256() == honest.diloco.global_sha256()
+    assert all(torch.equal(m, h) for m, h in zip(newcomer.diloco.momentum_buffers(), honest.diloco.momentum_buffers()))
