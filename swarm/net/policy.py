@@ -19,6 +19,8 @@ function itself does no I/O, so it is tested over tables of records (tests/net/t
   against the peers they catch up with. With no other peer live (every other peer left), the last commit
   records decide instead, the most votes winning: a peer that comes back after the others finished must not
   train on alone from an older round.
+- One hash, one round (`truthful`): a state's hash binds its count of rounds, so a record of another peer that
+  puts a hash we hold at another round is false and counts for nothing.
 - BEHIND: the swarm committed a later round than ours. Donors: live peers at that round on its hash that serve
   it. DIVERGED: the swarm committed another hash at our round. Donors: those that serve it.
 - ALONE: nobody else live at our round with our hash, nobody ahead: apply our own pseudo-gradient.
@@ -31,7 +33,9 @@ half the swarm) may end a round on several hashes none of which half of them hol
 lineage averages on its own base) until one holds half. Restarted peers that already train on their old
 round, when they are half the peers that serve, keep an honest minority that moved on while they were away
 above the ceiling: to them it is what colluders claiming rounds ahead are. And when peers that left alone
-hold the swarm's last round, a peer restarted beside another restarted peer trains on with it.
+hold the swarm's last round, a peer restarted beside another restarted peer trains on with it. At the start of a run,
+while the records show only us and one other peer, that peer is half the voters: if it claims the next round
+on a hash of its own (not ours: `truthful`) serving that state, we take it.
 
 Round claims are also bounded (`plausible`) for what does not go through the quorum: a round more than one
 past the lower median of the other live peers' rounds (with no other peer live, of the others' last commits)
@@ -68,7 +72,7 @@ class Position:
     donors: tuple[str, ...] = ()  # BEHIND / DIVERGED: peer ids to take the state from, best first
     others_ready: bool = False  # most live peers that may average our round finished their inner steps
     note: str = ""
-    ignored: tuple[str, ...] = ()  # peers whose round claims were implausible (see `plausible`)
+    ignored: tuple[str, ...] = ()  # peers whose round claims were false or implausible (`truthful`, `plausible`)
 
 
 def is_live(record: ProgressRecord, now: float, window: float) -> bool:
@@ -77,6 +81,14 @@ def is_live(record: ProgressRecord, now: float, window: float) -> bool:
 
 def _lower_median(values: list[int]) -> int:
     return sorted(values)[(len(values) - 1) // 2]
+
+
+def truthful(me: str, progress: Sequence[ProgressRecord], held: Mapping[str, int]) -> list[ProgressRecord]:
+    """The records that do not contradict what we hold (`held`: our hashes and their rounds). A hash binds the count
+    of rounds closed (swarm/statehash.py), so one hash names one round: another peer's record that puts a hash we
+    hold at another round is false (a claim one round ahead on its real hash, while the swarm still shows few
+    peers, would otherwise be half of them) and is dropped, as `plausible` drops a round too far ahead."""
+    return [r for r in progress if r.peer_id == me or held.get(r.sha256, r.round) == r.round]
 
 
 def plausible(me: str, progress: Sequence[ProgressRecord], commits: Mapping[str, CommitRecord], now: float,
@@ -129,6 +141,7 @@ def certified(me: str, progress: Sequence[ProgressRecord], commits: Mapping[str,
               window: float) -> dict[int, str]:
     """Per round s, the hash the swarm committed there, by the quorum rule (module docstring). With no other peer
     live (every other peer has left), the plausible last commits decide instead, the most votes winning."""
+    progress = truthful(me, progress, {r.sha256: r.round for r in progress if r.peer_id == me and r.sha256})
     live = [r for r in progress if is_live(r, now, window)]
     if not any(r.peer_id != me for r in live):
         progress, commits = plausible(me, progress, commits, now, window)
@@ -150,6 +163,8 @@ def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
            commits: Mapping[str, CommitRecord], now: float, window: float) -> Position:
     claimed = {r.peer_id for r in progress} | set(commits)
     live_ids = {r.peer_id for r in progress if is_live(r, now, window)}
+    held = {r.sha256: r.round for r in progress if r.peer_id == me and r.sha256} | ({sha256: round} if sha256 else {})
+    progress = truthful(me, progress, held)
     committed = certified(me, progress, commits, now, window)
     holders = [r for r in progress if is_live(r, now, window) and r.peer_id != me and r.serves_state]
     progress, commits = plausible(me, progress, commits, now, window)

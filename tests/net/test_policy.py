@@ -122,7 +122,7 @@ def test_one_peer_claiming_readiness_does_not_cut_the_round_short():
 def test_a_live_peer_with_an_implausible_claim_still_counts_for_the_group_size():
     """It may be at our round and join our group (a forger flapping between rounds does): the leader waits
     for it rather than closing the group without an honest peer."""
-    me, mates = progress(ME, 3), [progress("p", 3), progress("q", 2)]
+    me, mates = progress(ME, 3), [progress("p", 3), progress("q", 2, B)]
     position = assess(ME, 3, A, [me, *mates, progress("evil", FORGED, C)], {}, NOW, WINDOW)
     assert position.expected_group == 4 and position.ignored == ("evil",)
 
@@ -167,6 +167,8 @@ QUORUM = [
      Verdict.DIVERGED, ("q", "r")),
     ("half the swarm moved on: the other half follows", [progress("p", 3), progress("q", 4, B),
                                                          progress("r", 4, B)], {}, Verdict.BEHIND, ("q", "r")),
+    ("the claimant alone beside us, as at the start of a run, on the hash we hold at the round before: false",
+     [progress("evil", 4, A)], {}, Verdict.ALONE, ()),
     ("a burst of newcomers taking a state does not outvote the peers they catch up with",
      [progress(f"new{i}", 3, serves=False) for i in range(4)] + [progress("p", 9, B), progress("q", 9, B)], {},
      Verdict.BEHIND, ("p", "q")),
