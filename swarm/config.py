@@ -53,6 +53,10 @@ class DataConfig:
     cache_dir: Optional[str] = None
     """Where prepared corpora (token files, swarm/tokens.py) live; None: $XDG_CACHE_HOME/swarm/tokens, by default
     ~/.cache/swarm/tokens. `swarm data prepare` writes where a peer with the same data settings looks."""
+    prepare_workers: Optional[int] = None
+    """Processes that tokenize when a corpus is prepared (`swarm data prepare`, or a peer preparing its own);
+    None: one per core for a Hugging Face tokenizer, one for bytes (a copy that workers only slow down). The token
+    files are the same whatever the number."""
 
 
 @dataclass
@@ -268,7 +272,7 @@ class Config:
 PER_PEER_KEYS = frozenset({
     "diloco.device", "diloco.global_device", "diloco.threads",
     "inner.micro_batch_size", "inner.activation_checkpointing", "inner.parallel",
-    "data.shard", "data.cache_dir", "model.pretrained",
+    "data.shard", "data.cache_dir", "data.prepare_workers", "model.pretrained",
     "swarm.identity", "swarm.host_maddrs", "swarm.announce_maddrs", "swarm.client_mode", "swarm.initial_peers",
     "swarm.bootstrap_timeout",
     "checkpoint", "logging", "faults",

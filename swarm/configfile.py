@@ -151,7 +151,8 @@ def validate(cfg: Config) -> None:
     if not 0.0 < d.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction {d.eval_fraction} must be in (0, 1)")
     for key, value in [("diloco.rounds", cfg.diloco.rounds), ("diloco.inner_steps", cfg.diloco.inner_steps),
-                       ("data.batch_size", d.batch_size), ("data.seq_len", d.seq_len)]:
+                       ("data.batch_size", d.batch_size), ("data.seq_len", d.seq_len),
+                       ("data.prepare_workers", 1 if d.prepare_workers is None else d.prepare_workers)]:
         if value < 1:
             raise ConfigError(f"{key} must be >= 1, got {value}")
     if cfg.checkpoint.keep < 1 or cfg.checkpoint.every < 0:

@@ -1,6 +1,7 @@
 """Data module: tokenizers, document split, disjoint shards, step-determined batches, local datasets."""
 
 import json
+import multiprocessing
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
@@ -186,6 +187,35 @@ def test_a_prepared_corpus_is_tokenized_once_and_memory_mapped(tmp_path):
     assert data.load_corpus(data_cfg(**{**cfg.__dict__, "eval_fraction": 0.3})).prepared.folder != folder
     write_lines(tmp_path / "txt", n=201)
     assert data.load_corpus(cfg, cache=False).prepared.folder != folder
+
+
+@pytest.mark.timeout(90)
+def test_the_token_files_are_the_same_whatever_the_number_of_workers(tmp_path):
+    """Several processes tokenize batches of documents and the parent writes them in the documents' order: the
+    token files (and so the corpus's hash) are those one process writes, document by document."""
+    lines = write_lines(tmp_path / "txt", n=1300)  # three batches of documents (swarm/tokens.py BATCH_DOCUMENTS)
+    tok_path = build_local_tokenizer(tmp_path / "tok", lines)
+    for tokenizer in ["bytes", tok_path]:
+        hashes = set()
+        for workers in [1, 2, 3]:
+            cfg = data_cfg(source="hf", dataset=str(tmp_path / "txt"), tokenizer=tokenizer, prepare_workers=workers,
+                           cache_dir=str(tmp_path / f"cache-{workers}"))
+            corpus = data.load_corpus(cfg, cache=False)
+            hashes.add(corpus.prepared.meta["sha256"])
+        tok = corpus.tokenizer
+        train = [int(k) for k in corpus.train_keys]
+        assert len(train) + len(corpus.eval_keys) == 1300 and train == sorted(train)
+        assert corpus.train.tolist() == [t for i in train for t in tok.encode(lines[i]) + [tok.sep_id]]
+        assert len(hashes) == 1, tokenizer
+
+    def interrupted(documents, tokens):
+        raise KeyboardInterrupt
+
+    cfg = data_cfg(source="hf", dataset=str(tmp_path / "txt"), tokenizer=tok_path, prepare_workers=2,
+                   cache_dir=str(tmp_path / "cache-interrupted"))
+    with pytest.raises(KeyboardInterrupt):
+        data.load_corpus(cfg, cache=False, progress=interrupted)
+    assert not multiprocessing.active_children()  # the workers went with the prepare
 
 
 @pytest.mark.timeout(60)
