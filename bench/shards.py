@@ -40,16 +40,36 @@ MODELS = {
 }
 
 
-def peaks(model: list[str], k: int, out: Path) -> list[int]:
+EXPORT = r'''
+import resource, sys
+from pathlib import Path
+from swarm.export import export_hf
+export_hf(Path(sys.argv[1]), Path(sys.argv[2]))
+print("PEAK", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+'''
+
+
+def peaks(model: list[str], k: int, out: Path, *extra: str) -> list[int]:
     """Each rank's peak resident bytes (rank order) of one solo peer of `k` ranks."""
     proc = subprocess.run([sys.executable, "-m", "swarm.cli", "peer", "--solo", "--config", "configs/tiny.yaml",
-                           "--nproc-per-node", str(k), *model, *RUN, "--out", str(out)], cwd=REPO,
+                           "--nproc-per-node", str(k), *model, *RUN, *extra, "--out", str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"swarm peer exited {proc.returncode}: {proc.stderr[-2000:]}")
     if k == 1:
         return [json.loads((out / "summary.json").read_text())["peers"][0]["peak_rss_bytes"]]
     return [json.loads(p.read_text())["peak_rss_bytes"] for p in sorted((out / "ranks").glob("rank-*.json"))]
+
+
+def export_peak(model: list[str], out: Path) -> int:
+    """Peak resident bytes of `swarm export` (in a fresh process) of the sharded checkpoint a 2-rank peer of `model`
+    wrote after its round."""
+    peaks(model, 2, out, "--checkpoint.every", "1")
+    proc = subprocess.run([sys.executable, "-c", EXPORT, str(out), str(out / "hf")], cwd=REPO, capture_output=True,
+                          text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"swarm export exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return int(next(line for line in proc.stdout.splitlines() if line.startswith("PEAK "))[5:])
 
 
 def run(quick: bool) -> dict:
@@ -61,6 +81,8 @@ def run(quick: bool) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-shards-") as tmp:
         constant = max(peaks(MODELS["empty"], 2, Path(tmp) / "empty"))
         measured = {k: peaks(model, k, Path(tmp) / f"k{k}") for k in ks}
+        export = {"model": export_peak(model, Path(tmp) / "export"),
+                  "constant": export_peak(MODELS["empty"], Path(tmp) / "export-empty")}
     rows, points = [], []
     for k, per_rank in measured.items():
         share = state / k
@@ -76,7 +98,17 @@ def run(quick: bool) -> dict:
               f"One `swarm peer --solo --inner.parallel fsdp` per K: 1 round of 2 inner steps, batch 4 x 64 tokens, "
               f"1 torch thread per rank on 2 shared cores. Rank 0's extra is the exchange's whole pseudo-gradient "
               f"and average (8 bytes per parameter; 1/F with diloco.fragments F).")
+    largest = max(p.numel() for p in build_model(cfg.model, load_corpus(cfg.data).tokenizer.vocab_size).parameters())
+    table += "\n\n" + md_table(
+        ["`swarm export` of the 2-rank checkpoint", "peak RSS, MiB", "over the constant, MiB", "global parameters, MiB",
+         "largest tensor, MiB"],
+        [["fp32", f"{export['model'] / 2**20:.0f}", f"{(export['model'] - export['constant']) / 2**20:.0f}",
+          f"{4 * params / 2**20:.0f}", f"{4 * largest / 2**20:.1f}"]])
+    table += ("\n\nExport in a fresh process; its constant: the same export of the 30k-parameter model's checkpoint. "
+              "The model is built on the meta device and each tensor read from its pieces, cast and written in turn.")
     return {"table": table, "params": params, "state_bytes": state, "constant_bytes": constant, "points": points,
+            "export_peak_bytes": export["model"], "export_constant_bytes": export["constant"],
+            "largest_tensor_bytes": 4 * largest,
             "wall_s_runs": time.time() - start, "timestamp": stamp()}
 
 

@@ -47,7 +47,7 @@ import re
 import shutil
 import threading
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 
@@ -239,27 +239,33 @@ class Checkpointer:
     def load(self, destinations: Callable[[list[TensorSpec]], dict[str, Target]]) -> dict[str, Any]:
         """Check the latest checkpoint, then read its tensors into `destinations(specs)` (by name: a tensor, or a
         block and its offset; names left out are not read); return the meta. `destinations` raises ValueError
-        for a state that does not fit this peer (a CorruptCheckpoint here)."""
+        for a state that does not fit this peer (a CorruptCheckpoint here). Every checksum is checked before
+        any destination is written."""
         with self._open() as opened:
-            try:
-                targets = destinations([spec for spec, _ in opened.tensors.values()])
-            except ValueError as e:
-                raise CorruptCheckpoint(f"checkpoint {opened.path} does not fit this model: {e}") from None
+            targets = _fitting(opened, destinations)
             plan = []
             for name, target in targets.items():
                 block, at = target if isinstance(target, tuple) else (target, (0,) * target.dim())
-                spec, pieces = opened.tensors[name]
-                plan += [(name, piece, block, at) for piece in pieces if fmt.overlap(piece, block, at) is not None]
-            try:
-                for name, piece, *_ in plan:
-                    if tensorfile.crc32(piece.file, piece.start, piece.nbytes) != piece.crc32:
-                        raise CorruptCheckpoint(f"corrupt checkpoint {opened.path}: {name} fails its checksum")
-                for name, piece, block, at in plan:
-                    fmt.place(piece, opened.tensors[name][0], block, at)
-            except OSError as e:
-                raise CorruptCheckpoint(f"corrupt checkpoint {opened.path}: {type(e).__name__}: {e}") from None
+                plan += [(name, piece, block, at) for piece in opened.tensors[name][1]
+                         if fmt.overlap(piece, block, at) is not None]
+            _read(opened, plan)
             self.last_read = opened.path
             return opened.meta
+
+    def each(self, wanted: Callable[[list[TensorSpec]], list[str]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors of the latest checkpoint that `wanted(specs)` names, in its order, one at a time: each a
+        fresh CPU tensor, gathered from its pieces (whatever ranks wrote them) and checked by its checksums before
+        it is yielded, so a reader holds one tensor of the checkpoint at a time. The checkpoint stays open until
+        the iterator ends: every tensor comes from the checkpoint it began with, even if the peer prunes it."""
+        with self._open() as opened:
+            names = _fitting(opened, wanted)
+            self.last_read = opened.path
+            for name in names:
+                spec, pieces = opened.tensors[name]
+                whole = torch.empty(spec.shape, dtype=dtype_of(spec.dtype))
+                _read(opened, [(name, piece, whole, (0,) * whole.dim()) for piece in pieces])
+                yield name, whole
+                del whole  # before the next one is read
 
     def load_all(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Every tensor as a fresh CPU tensor, and the meta (for tests and tools)."""
@@ -270,3 +276,23 @@ class Checkpointer:
             return tensors
         meta = self.load(fresh)
         return tensors, meta
+
+
+def _fitting(opened: fmt.Opened, choose: Callable[[list[TensorSpec]], Any]) -> Any:
+    """`choose(specs)`, its ValueError (a state that does not fit the reader) a CorruptCheckpoint naming it."""
+    try:
+        return choose([spec for spec, _ in opened.tensors.values()])
+    except ValueError as e:
+        raise CorruptCheckpoint(f"checkpoint {opened.path} does not fit this model: {e}") from None
+
+
+def _read(opened: fmt.Opened, plan: list[tuple[str, fmt.Piece, torch.Tensor, tuple[int, ...]]]) -> None:
+    """Check the checksum of every (name, piece, block, offset) of `plan`, then read each piece into its block."""
+    try:
+        for name, piece, *_ in plan:
+            if tensorfile.crc32(piece.file, piece.start, piece.nbytes) != piece.crc32:
+                raise CorruptCheckpoint(f"corrupt checkpoint {opened.path}: {name} fails its checksum")
+        for name, piece, block, at in plan:
+            fmt.place(piece, opened.tensors[name][0], block, at)
+    except OSError as e:
+        raise CorruptCheckpoint(f"corrupt checkpoint {opened.path}: {type(e).__name__}: {e}") from None

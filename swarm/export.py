@@ -4,33 +4,41 @@
 
 The source is a peer's last complete checkpoint (swarm/checkpoint.py: checkpoints are renamed into place whole,
 and a reader keeps what it opened even if the peer prunes it, so a peer that is still training can be exported).
-The model is built from the checkpoint's meta: the model's Hugging Face config (`hf_config`), or for older
-checkpoints the run's config (`config`; the oldest, without either: pass `--config`); its `global.<param>`
-tensors, the parameters the swarm committed, replace the weights by name (the rest of the checkpoint is not
-read). `swarm export --from-swarm RUN` takes them from the swarm instead (peers/export_swarm.py). Written by
-`write_hf`: `config.json`, `model.safetensors` (sharded above 5 GB), `generation_config.json` and the
-tokenizer, a Hugging Face tokenizer's own files or, for byte tokens, a byte-level tokenizer with no merges
-that `AutoTokenizer` loads and that gives the same ids. The folder appears whole or not at all: it is written
-beside the target and renamed into place.
+The model is built from the checkpoint's meta, on the meta device (names, shapes and config, no weights): the
+model's Hugging Face config (`hf_config`), or for older checkpoints the run's config (`config`; the oldest,
+without either: pass `--config`). Its weights are the checkpoint's `global.<param>` tensors, the parameters the
+swarm committed, by name (the rest of the checkpoint is not read), each read from its pieces (whatever ranks
+wrote them), cast and written in turn: the exporter holds one tensor at a time, never the model.
+`swarm export --from-swarm RUN` takes them from the swarm instead (peers/export_swarm.py). Written by `write_hf`:
+`config.json`, `model.safetensors` (sharded above 5 GB, with the index and names of `save_pretrained`),
+`generation_config.json` and the tokenizer, a Hugging Face tokenizer's own files or, for byte tokens, a
+byte-level tokenizer with no merges that `AutoTokenizer` loads and that gives the same ids. The folder appears
+whole or not at all: it is written beside the target and renamed into place.
 """
 
 from __future__ import annotations
 
+import copy
+import json
+import math
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
 from swarm import checkpoint_legacy as legacy
+from swarm import tensorfile
 from swarm.checkpoint import INDEX, ROUND, Checkpointer, CorruptCheckpoint
 from swarm.config import Config
 from swarm.configfile import config_from_dict, load_config
 from swarm.errors import UsageError
 from swarm.state import StateNames, TensorSpec
+from swarm.tensorfile import ITEMSIZE
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default max_shard_size, "5GB"
 
 
 def find_checkpoint(source: Path, names: Optional[StateNames] = None) -> Checkpointer:
@@ -68,9 +76,13 @@ def export_hf(source: Path, out: Path, dtype: str = "fp32", force: bool = False,
     where = checkpointer.latest()
     cfg = _config(meta, config, where)
     tokenizer = build_tokenizer(cfg.data)
-    model = model_of(meta, cfg, tokenizer.vocab_size, where)
-    load_global_parameters(find_checkpoint(source, StateNames.of(model)), model)
-    return write_hf(model, tokenizer, out, dtype, force)
+    with torch.device("meta"):  # names, shapes and config only: the weights come from the checkpoint one at a time
+        model = model_of(meta, cfg, tokenizer.vocab_size, where)
+    weights = global_parameters(find_checkpoint(source, StateNames.of(model)), model)
+    try:
+        return write_hf(model, tokenizer, out, dtype, force, weights)
+    except CorruptCheckpoint as e:
+        raise UsageError(str(e)) from None
 
 
 def _config(meta: dict[str, Any], path: Optional[str], where: Path) -> Config:
@@ -97,40 +109,65 @@ def model_of(meta: dict[str, Any], cfg: Config, vocab_size: int, where: Path) ->
                          f"cannot build as a causal LM: {str(e).splitlines()[0]}") from None
 
 
-def load_global_parameters(checkpointer: Checkpointer, model: torch.nn.Module) -> None:
-    """The checkpoint's global parameters into `model`'s trainable parameters, by name; UsageError naming the
-    checkpoint and the first parameter that does not match (a checkpoint of another model)."""
-    params = {f"global.{name}": p for name, p in model.named_parameters() if p.requires_grad}
+def hf_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors a Hugging Face folder holds of `model`: its parameters by name, a tied one once (under its first
+    name, as `save_pretrained` writes it; loading ties it again). UsageError for a model with persistent buffers,
+    which a checkpoint (global parameters only) cannot give."""
+    params = dict(model.named_parameters())
+    aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    if buffers := [name for name in model.state_dict() if name not in aliases]:
+        raise UsageError(f"cannot export {type(model).__name__}: its buffer {buffers[0]} is saved with the model, "
+                         "and checkpoints hold only its parameters")
+    return params
 
-    def destinations(specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
+
+def global_parameters(checkpointer: Checkpointer, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's global parameters of `model`, one at a time (name, tensor) in the order of
+    `hf_parameters(model)`; CorruptCheckpoint naming the checkpoint and the first parameter that does not match
+    (a checkpoint of another model) before any is read."""
+    params = hf_parameters(model)
+
+    def wanted(specs: list[TensorSpec]) -> list[str]:
         found = {s.name: s for s in specs if s.name.startswith("global.")}
         for name, p in params.items():
-            if name not in found:
-                raise ValueError(f"it has no {name} ({len(found)} global parameters, the model "
+            if f"global.{name}" not in found:
+                raise ValueError(f"it has no global.{name} ({len(found)} global parameters, the model "
                                  f"{type(model).__name__} {len(params)})")
-            if tuple(found[name].shape) != tuple(p.shape):
-                raise ValueError(f"{name} has shape {tuple(found[name].shape)}, the model's {tuple(p.shape)}")
-        if extra := [name for name in found if name not in params]:
+            if tuple(found[f"global.{name}"].shape) != tuple(p.shape):
+                raise ValueError(f"global.{name} has shape {tuple(found[f'global.{name}'].shape)}, the model's "
+                                 f"{tuple(p.shape)}")
+        if extra := [name for name in found if name.removeprefix("global.") not in params]:
             raise ValueError(f"{extra[0]} is no parameter of the model {type(model).__name__}")
-        return {name: p.data for name, p in params.items()}
+        return [f"global.{name}" for name in params]
 
-    try:
-        with torch.no_grad():
-            checkpointer.load(destinations)
-    except CorruptCheckpoint as e:
-        raise UsageError(str(e)) from None
+    for name, tensor in checkpointer.each(wanted):
+        yield name.removeprefix("global."), tensor
+        del tensor  # before the next one is read
 
 
-def write_hf(model: torch.nn.Module, tokenizer, out: Path, dtype: str = "fp32", force: bool = False) -> Path:
-    """`model` (its weights cast to `dtype`) and `tokenizer` as the Hugging Face folder `out`, whole or not at
-    all; returns `out`."""
+def write_hf(model: torch.nn.Module, tokenizer, out: Path, dtype: str = "fp32", force: bool = False,
+             weights: Optional[Iterator[tuple[str, torch.Tensor]]] = None,
+             max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """`model` and `tokenizer` as the Hugging Face folder `out`, whole or not at all; returns `out`. `weights`:
+    the model's parameters (name, tensor) in the order of `hf_parameters(model)`, each cast to `dtype` and
+    written as it comes, so that no more than one of them is held here (a model built on the meta device gives
+    only the names, shapes and config); None: the model's own. Weights above `max_shard_bytes` are sharded."""
     check_target(out, dtype, force)
+    params = hf_parameters(model)
+    weights = iter(params.items()) if weights is None else weights
     model.generation_config.eos_token_id = model.generation_config.pad_token_id = tokenizer.sep_id
     model.generation_config.bos_token_id = None
     partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     try:
-        model.to(DTYPES[dtype]).save_pretrained(partial, safe_serialization=True, max_shard_size="5GB")
+        partial.mkdir(parents=True)
+        config = copy.deepcopy(model.config)
+        config.architectures, config.dtype = [type(model).__name__], DTYPES[dtype]
+        config.save_pretrained(partial)
+        model.generation_config.save_pretrained(partial)
+        stored = str(DTYPES[dtype]).removeprefix("torch.")  # "float32", as swarm/tensorfile.py names dtypes
+        _write_weights(partial, [(name, stored, tuple(p.shape)) for name, p in params.items()], weights,
+                       DTYPES[dtype], max_shard_bytes)
         hf_tokenizer(tokenizer).save_pretrained(partial)
         if out.exists():
             shutil.rmtree(out) if out.is_dir() else out.unlink()
@@ -138,6 +175,37 @@ def write_hf(model: torch.nn.Module, tokenizer, out: Path, dtype: str = "fp32", 
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return out
+
+
+def _write_weights(folder: Path, specs: list[tuple[str, str, tuple[int, ...]]],
+                   weights: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype, max_shard_bytes: int) -> None:
+    """`model.safetensors`, or above `max_shard_bytes` `model-0000k-of-0000n.safetensors` and their index (the
+    names `save_pretrained` gives), from `weights` as they come."""
+    shards: list[list[tuple[str, str, tuple[int, ...]]]] = [[]]
+    size = total = 0
+    for spec in specs:
+        nbytes = math.prod(spec[2]) * ITEMSIZE[spec[1]]
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size, total = size + nbytes, total + nbytes
+
+    def next_weight(name: str) -> torch.Tensor:
+        got, tensor = next(weights)
+        if got != name:
+            raise ValueError(f"weights came out of order: {got}, expected {name}")
+        return tensor.to(dtype)
+
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
+    for name, shard in zip(names, shards):
+        with open(folder / name, "wb") as f:
+            tensorfile.write_each(f, shard, next_weight, {"format": "pt"})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {spec[0]: name for name, shard in zip(names, shards) for spec in shard}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def hf_tokenizer(tokenizer):

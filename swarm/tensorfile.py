@@ -15,7 +15,7 @@ import math
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 import torch
 
@@ -45,24 +45,38 @@ def dtype_name(t: torch.Tensor) -> str:
 
 def write(f: BinaryIO, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, int]:
     """Write `tensors` as a safetensors file to `f` (open for writing, at 0); the crc32 of each one's bytes."""
+    specs = [(name, dtype_name(t), tuple(t.shape)) for name, t in tensors.items()]
+    return write_each(f, specs, lambda name: tensors[name], metadata)
+
+
+def write_each(f: BinaryIO, specs: list[tuple[str, str, tuple[int, ...]]], tensor_of: Callable[[str], torch.Tensor],
+               metadata: dict[str, str]) -> dict[str, int]:
+    """Write a safetensors file of the tensors `specs` names (name, our dtype name, shape), in that order, to `f`
+    (open for writing, at 0), asking `tensor_of(name)` for each one only when its bytes are written: a caller that
+    makes each tensor then (reads it from a checkpoint, casts it) holds one at a time. The crc32 of each one's
+    bytes; ValueError if a tensor does not match its spec."""
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     end = 0
-    for name, t in tensors.items():
-        if dtype_name(t) not in CODES:
-            raise ValueError(f"{name}: dtype {t.dtype} has no safetensors code here")
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": CODES[dtype_name(t)], "shape": list(t.shape), "data_offsets": [end, end + nbytes]}
+    for name, dtype, shape in specs:
+        if dtype not in CODES:
+            raise ValueError(f"{name}: dtype {dtype} has no safetensors code here")
+        nbytes = math.prod(shape) * ITEMSIZE[dtype]
+        header[name] = {"dtype": CODES[dtype], "shape": list(shape), "data_offsets": [end, end + nbytes]}
         end += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     f.write(struct.pack("<Q", len(raw)) + raw)
     crcs = {}
-    for name, t in tensors.items():
+    for name, dtype, shape in specs:
+        t = tensor_of(name)
+        if (dtype_name(t), tuple(t.shape)) != (dtype, shape):
+            raise ValueError(f"{name} is {dtype_name(t)} {tuple(t.shape)}, its header says {dtype} {shape}")
         data, crc = memoryview(byte_view(t.detach().cpu().contiguous()).numpy()), 0
         for start in range(0, len(data), PIECE):
             crc = zlib.crc32(data[start:start + PIECE], crc)
             f.write(data[start:start + PIECE])
         crcs[name] = crc
+        del t, data  # before the next tensor is asked for: one at a time
     return crcs
 
 

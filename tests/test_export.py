@@ -1,18 +1,23 @@
 """`swarm export`: a peer's committed global parameters as a Hugging Face folder that transformers loads."""
 
+import copy
 import shutil
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from swarm.averaging import SoloAverager
 from swarm.checkpoint import Checkpointer
 from swarm.cli import main
+from swarm.configfile import config_from_dict
+from swarm.data import ByteTokenizer
 from swarm.errors import UsageError
-from swarm.export import export_hf
+from swarm.export import export_hf, find_checkpoint, global_parameters, hf_parameters, model_of, write_hf
 from swarm.tensorfile import read_header
 from swarm.trainer import Trainer
 from tests.conftest import tiny_config
@@ -47,6 +52,42 @@ def test_the_exported_folder_loads_in_transformers_and_gives_the_swarm_model_s_l
     assert model.generation_config.eos_token_id == 0
     generated = model.generate(**tokenizer("def ", return_tensors="pt"), max_new_tokens=4, do_sample=False)
     assert generated.shape == (1, 8)
+
+
+def test_the_export_reads_and_writes_one_tensor_at_a_time(trained, tmp_path):
+    """The model is built on the meta device (names, shapes, config) and each global parameter is read from the
+    checkpoint, written and let go: none is still held when the next one arrives, so the exporter never holds the
+    model (bench/shards.py measures its peak)."""
+    out, trainer = trained
+    checkpoint = find_checkpoint(out)
+    meta = checkpoint.read_meta()
+    with torch.device("meta"):
+        skeleton = model_of(meta, config_from_dict(meta["config"]), 256, out)
+    refs = []
+
+    def watched():
+        for name, tensor in global_parameters(checkpoint, skeleton):
+            assert all(ref() is None for ref in refs), f"{name} read while an earlier tensor is still held"
+            refs.append(weakref.ref(tensor))
+            yield name, tensor
+            del tensor
+
+    write_hf(skeleton, ByteTokenizer(), tmp_path / "hf", weights=watched())
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert len(refs) == len(exported) == len(trainer.diloco.global_params)
+    for name, g in zip(hf_parameters(trainer.model), trainer.diloco.global_params):
+        assert torch.equal(exported[name], g), name
+
+
+def test_weights_above_the_shard_size_are_sharded_as_transformers_reads_them(trained, tmp_path):
+    out, trainer = trained
+    model = copy.deepcopy(trainer.model)
+    write_hf(model, ByteTokenizer(), tmp_path / "hf", max_shard_bytes=20_000)
+    shards = sorted(p.name for p in (tmp_path / "hf").glob("model-*.safetensors"))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    for name, p in hf_parameters(model).items():
+        assert torch.equal(loaded.state_dict()[name], p.detach()), name
 
 
 def test_export_refuses_a_folder_without_a_checkpoint_and_a_non_empty_target(trained, tmp_path):
