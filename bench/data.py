@@ -11,6 +11,7 @@ also prepared with a Hugging Face BPE of 8000 tokens trained on it here, for the
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from bench.common import REPO
 
-SIZES_MB = {True: [40, 400], False: [40, 400, 2000]}  # 4 GB: `python -m bench.data 40 400 4000`
+SIZES_MB = {True: [40, 400], False: [40, 400, 4000]}  # another set: `python -m bench.data 40 2000`
 BATCH, SEQ = 32, 1024
 
 CHILD = r'''
@@ -125,7 +126,7 @@ def step_tokens_per_s() -> float:
 
 
 def run(quick: bool = False, sizes: list[int] | None = None) -> dict:
-    rows, work = [], Path(tempfile.mkdtemp(prefix="bench-data-"))
+    rows, work, load = [], Path(tempfile.mkdtemp(prefix="bench-data-")), os.getloadavg()[1]
     sizes = sizes or SIZES_MB[quick]
     try:
         for mb in sizes:
@@ -162,7 +163,9 @@ def run(quick: bool = False, sizes: list[int] | None = None) -> dict:
         f"{BATCH} x {SEQ} tokens (the 150M recipe's micro-batch) for 3 s on one core, cold: the token file evicted "
         "from the page cache first (a first epoch), warm: after reading it whole; 150M step: what one rank of the "
         f"150M recipe consumes at most, {step / 1e6:.2f}M tokens/s (`step_tokens_per_s`: an H200 at 100% MFU, an "
-        "estimate from the config; no GPU here). The machine: 2 shared cores, load ~10-20 from other sessions.")
+        "estimate from the config; no GPU here). Prepare: one process for bytes, one per core for the BPE "
+        f"(`data.prepare_workers`). The machine: {len(os.sched_getaffinity(0))} cores, 5-minute load average "
+        f"{load:.1f} at the start and {os.getloadavg()[1]:.1f} at the end.")
     return {"rows": rows, "table": table, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
