@@ -8,8 +8,6 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from tqdm import tqdm
-
 from swarm.config import DataConfig
 from swarm.data import build_tokenizer, check_vocabulary, load_corpus
 from swarm.errors import UsageError
@@ -24,12 +22,7 @@ def run_prepare(cfg: DataConfig, model_vocab: Optional[int] = None) -> int:
     check_vocabulary(build_tokenizer(cfg), model_vocab, cfg)
     folder, start = corpus_folder(cfg), time.perf_counter()
     done = (folder / "meta.json").exists()
-    with tqdm(desc="tokenizing", unit=" docs", disable=done) as bar:
-        def progress(documents: int, tokens: int) -> None:
-            bar.update(documents - bar.n)
-            bar.set_postfix_str(f"{tokens / 1e6:.1f}M tokens")
-
-        corpus = load_corpus(cfg, cache=False, verify=done, progress=progress)
+    corpus = load_corpus(cfg, cache=False, verify=done)  # with its progress bar (swarm/progress.py PrepareProgress)
     meta = corpus.prepared.meta
     what = "verified" if done else f"prepared in {time.perf_counter() - start:.1f}s"
     print(f"{what}: {folder}\n{meta['documents']} documents, {meta['train_tokens']} train and {meta['eval_tokens']} "

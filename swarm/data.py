@@ -41,6 +41,7 @@ import torch
 
 from swarm.config import DataConfig
 from swarm.errors import UsageError
+from swarm.progress import PrepareProgress
 from swarm.tokens import Prepared, corpus_folder, prepare
 
 _EXCLUDED_DIRS = {"test", "tests", "idle_test", "idlelib", "turtledemo", "lib2to3", "ensurepip",
@@ -114,16 +115,40 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip() or type(e).__name__).splitlines()[0]
 
 
-def _embedded_documents() -> Iterator[tuple[str, str]]:
-    """The standard library's `*.py` files, sorted by relative path."""
+def _embedded_files() -> tuple[Path, list[str]]:
+    """The standard library's folder and its `*.py` files (relative paths, sorted) that the embedded corpus holds."""
     root = Path(sysconfig.get_paths()["stdlib"])
     found = []
     for folder, dirs, files in os.walk(root):
         dirs[:] = [d for d in dirs if d not in _EXCLUDED_DIRS and not d.startswith((".", "config-"))]
         rel = Path(folder).relative_to(root)
         found += [(rel / f).as_posix() for f in files if f.endswith(".py")]
-    for key in sorted(found):
+    return root, sorted(found)
+
+
+def _embedded_documents() -> Iterator[tuple[str, str]]:
+    """The standard library's `*.py` files, sorted by relative path."""
+    root, keys = _embedded_files()
+    for key in keys:
         yield key, (root / key).read_bytes().decode("utf-8", errors="replace")
+
+
+def input_bytes(cfg: DataConfig) -> Optional[int]:
+    """The size of the text a prepare of `cfg` reads, which its time left is measured against: the embedded
+    sources' bytes, or the local .txt / .json / .jsonl files'; None where it cannot be known ahead (a hub dataset,
+    parquet files, which are compressed, or a cap on documents)."""
+    if cfg.max_documents is not None:
+        return None
+    if cfg.source == "embedded":
+        root, keys = _embedded_files()
+        return sum((root / key).stat().st_size for key in keys)
+    path = Path(str(cfg.dataset)).expanduser()
+    if not is_local(str(cfg.dataset)) or not path.exists():
+        return None
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.suffix in _BUILDERS]
+    if not files or any(p.suffix not in (".txt", ".json", ".jsonl") for p in files):
+        return None
+    return sum(p.stat().st_size for p in files)
 
 
 def is_local(name: str) -> bool:
@@ -230,10 +255,10 @@ _CACHE: dict[Path, Corpus] = {}
 
 
 def load_corpus(cfg: DataConfig, cache: bool = True, verify: bool = False,
-                progress: Optional[Callable[[int, int], None]] = None) -> Corpus:
+                progress: Optional[Callable[[int, int, int], None]] = None) -> Corpus:
     """The corpus of `cfg`, prepared on disk first if it is not yet (swarm/tokens.py), then memory-mapped (and
-    kept per process unless `cache=False`). `verify` re-hashes the token files; `progress(documents, tokens)`
-    follows a preparation.
+    kept per process unless `cache=False`). `verify` re-hashes the token files; `progress(documents, tokens,
+    text)` follows a preparation (default: `PrepareProgress`, a bar on a terminal, else a log line every 30 s).
 
     A document goes to eval when `is_eval_document`; if none (or all) do, the one with the lowest
     (highest) hash is moved so both sides are non-empty when there are at least two documents.
@@ -242,8 +267,13 @@ def load_corpus(cfg: DataConfig, cache: bool = True, verify: bool = False,
     if cache and not verify and folder in _CACHE:
         return _CACHE[folder]
     tokenizer = build_tokenizer(cfg)
-    prepared = prepare(folder, cfg, tokenizer, lambda: iter_documents(cfg), lambda key: _eval_score(key, cfg),
-                       verify, progress)
+    shown = PrepareProgress(f"tokenizing {folder.name}", lambda: input_bytes(cfg)) if progress is None else None
+    try:
+        prepared = prepare(folder, cfg, tokenizer, lambda: iter_documents(cfg), lambda key: _eval_score(key, cfg),
+                           verify, progress or shown)
+    finally:
+        if shown is not None:
+            shown.close()
     if prepared.meta["vocab_size"] != tokenizer.vocab_size:
         raise UsageError(f"prepared corpus {folder} was tokenized with {prepared.meta['vocab_size']} symbols, "
                          f"data.tokenizer {cfg.tokenizer} has {tokenizer.vocab_size}")

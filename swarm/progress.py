@@ -13,7 +13,7 @@ import logging
 import sys
 import time
 from contextlib import ExitStack
-from typing import Optional
+from typing import Callable, Optional
 
 from swarm.config import Config
 
@@ -80,3 +80,45 @@ class Progress:
 
     def close(self) -> None:
         self.stack.close()
+
+
+class PrepareProgress:
+    """What preparing a corpus shows (`swarm data prepare`, or a peer preparing its own): text read, documents,
+    tokens, speed and time left, against `total_bytes()` (the input's size, `swarm.data.input_bytes`, asked when
+    tokenizing starts; None where unknown: no time left). A live bar on a terminal, else a log line every `every`
+    seconds. Called as the `progress(documents, tokens, text)` of `swarm.data.load_corpus`; shows nothing until
+    first called (a corpus already prepared shows nothing)."""
+
+    def __init__(self, what: str, total_bytes: Callable[[], Optional[int]], live: Optional[bool] = None,
+                 every: float = 30.0):
+        self.what, self.total_bytes, self.every = what, total_bytes, every
+        self.total: Optional[int] = None
+        self.live = sys.stderr.isatty() if live is None else live
+        self.bar = None
+        self.start: Optional[float] = None
+        self.last_line = 0.0
+
+    def __call__(self, documents: int, tokens: int, text: int, now: Optional[float] = None) -> str:
+        now = time.monotonic() if now is None else now
+        if self.start is None:
+            self.start, self.last_line, self.total = now, now, self.total_bytes()
+            if self.live:
+                from tqdm import tqdm
+
+                self.bar = tqdm(desc=self.what, total=self.total, unit="B", unit_scale=True, dynamic_ncols=True)
+        speed = text / (now - self.start) if now > self.start else None
+        left = (self.total - text) / speed if speed and self.total else None
+        of = f" of {self.total / 1e6:.0f} MB ({100 * min(text / self.total, 1):.0f}%)" if self.total else ""
+        line = (f"{self.what}: {text / 1e6:.0f} MB of text{of}, {documents} documents, {tokens / 1e6:.1f}M tokens, "
+                f"{speed / 1e6 if speed else 0:.1f} MB/s, done in {clock(left) if self.total else '?'}")
+        if self.bar is not None:
+            self.bar.update(text - self.bar.n)
+            self.bar.set_postfix_str(f"{documents} docs, {tokens / 1e6:.1f}M tokens", refresh=False)
+        elif now - self.last_line >= self.every:
+            self.last_line = now
+            log.info("%s", line)
+        return line
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

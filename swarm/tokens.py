@@ -163,10 +163,10 @@ def _write_stamp(folder: Path) -> None:
 
 def prepare(folder: Path, cfg: DataConfig, tokenizer, documents: Callable[[], Iterator[tuple[str, str]]],
             is_eval: Callable[[str], float], verify: bool = False,
-            progress: Optional[Callable[[int, int], None]] = None) -> Prepared:
+            progress: Optional[Callable[[int, int, int], None]] = None) -> Prepared:
     """The prepared corpus of `cfg` in `folder` (`corpus_folder(cfg)`), tokenized now if it is not on disk yet.
     `documents()` yields (key, text); `is_eval(key)` scores a document (held out below `cfg.eval_fraction`);
-    `progress(documents, tokens)` is called as tokenizing goes."""
+    `progress(documents, tokens, text)` is called as tokenizing goes (text: characters read so far)."""
     if not (folder / "meta.json").exists():
         folder.parent.mkdir(parents=True, exist_ok=True)
         with _locked(folder.with_name(folder.name + ".lock")):
@@ -196,7 +196,7 @@ def _write(folder: Path, cfg: DataConfig, tokenizer, documents, is_eval, progres
     shutil.rmtree(partial, ignore_errors=True)  # what an interrupted prepare left
     partial.mkdir()
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
-    start, counts = time.perf_counter(), {"documents": 0, "tokens": 0}
+    start, counts = time.perf_counter(), {"documents": 0, "tokens": 0, "text": 0}
     # the document each split would give up if the other ended empty (tiny corpora): (score, key, start, end)
     edge: dict[str, Optional[tuple]] = dict.fromkeys(SPLITS)
     encode = partial_function(_encode_split, tokenizer=tokenizer, is_eval=is_eval,
@@ -205,7 +205,8 @@ def _write(folder: Path, cfg: DataConfig, tokenizer, documents, is_eval, progres
             open(partial / "train_keys.txt", "w") as train_keys, open(partial / "eval_keys.txt", "w") as eval_keys:
         files, key_files = {"train": train, "eval": held}, {"train": train_keys, "eval": eval_keys}
         with closing(_in_order(encode, _batches(documents()), prepare_workers(cfg, tokenizer))) as encoded:
-            for batch in encoded:
+            for batch, text in encoded:
+                counts["text"] += text
                 for split, (tokens, keys, scores, lengths) in batch.items():
                     if keys:
                         at = files[split].tell() // dtype.itemsize
@@ -215,7 +216,7 @@ def _write(folder: Path, cfg: DataConfig, tokenizer, documents, is_eval, progres
                         counts["documents"] += len(keys)
                         counts["tokens"] += len(tokens)
                 if progress is not None:
-                    progress(counts["documents"], counts["tokens"])
+                    progress(counts["documents"], counts["tokens"], counts["text"])
     if counts["documents"] < 2:
         shutil.rmtree(partial)
         raise UsageError(f"data source {cfg.dataset or cfg.source} gave {counts['documents']} documents; "
@@ -270,23 +271,23 @@ def _batches(documents: Iterator[tuple[str, str]]) -> Iterator[list[tuple[str, s
         yield batch
 
 
-Encoded = dict[str, tuple[np.ndarray, list[str], np.ndarray, np.ndarray]]
-"""One batch tokenized, per split: its documents' tokens end to end (each followed by the separator), their keys,
-and per document its eval score and its length in tokens."""
+Encoded = tuple[dict[str, tuple[np.ndarray, list[str], np.ndarray, np.ndarray]], int]
+"""One batch tokenized: per split, its documents' tokens end to end (each followed by the separator), their keys,
+and per document its eval score and its length in tokens; and the characters of text it held."""
 
 
 def _encode_split(batch: list[tuple[str, str]], tokenizer, is_eval, eval_fraction: float, dtype: np.dtype) -> Encoded:
     keys = [key for key, _ in batch]
     scores = np.array([is_eval(key) for key in keys], dtype=np.float64)
     ids = [np.asarray(i, dtype=dtype) for i in _encode(tokenizer, [text for _, text in batch])]
-    out: Encoded = {}
+    out = {}
     for split, mask in (("train", scores >= eval_fraction), ("eval", scores < eval_fraction)):
         chosen = np.flatnonzero(mask)
         pieces = [piece for j in chosen for piece in (ids[j], np.array([tokenizer.sep_id], dtype=dtype))]
         tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
         out[split] = (tokens, [keys[j] for j in chosen], scores[chosen],
                       np.array([len(ids[j]) + 1 for j in chosen], dtype=np.int64))
-    return out
+    return out, sum(len(text) for _, text in batch)
 
 
 def _encode(tokenizer, texts: list[str]) -> list:

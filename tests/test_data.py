@@ -173,7 +173,7 @@ def test_a_prepared_corpus_is_tokenized_once_and_memory_mapped(tmp_path):
     cfg = data_cfg(source="hf", dataset=str(tmp_path / "txt"), num_shards=2, seq_len=16, batch_size=4,
                    cache_dir=str(tmp_path / "cache"))
     calls = []
-    corpus = data.load_corpus(cfg, cache=False, progress=lambda docs, tokens: calls.append((docs, tokens)))
+    corpus = data.load_corpus(cfg, cache=False, progress=lambda docs, tokens, text: calls.append((docs, tokens, text)))
     folder = corpus.prepared.folder
     assert folder.parent == tmp_path / "cache" and calls[-1][0] == 200
     assert isinstance(corpus.train, np.memmap) and corpus.train.dtype == np.uint16
@@ -187,6 +187,25 @@ def test_a_prepared_corpus_is_tokenized_once_and_memory_mapped(tmp_path):
     assert data.load_corpus(data_cfg(**{**cfg.__dict__, "eval_fraction": 0.3})).prepared.folder != folder
     write_lines(tmp_path / "txt", n=201)
     assert data.load_corpus(cfg, cache=False).prepared.folder != folder
+
+
+@pytest.mark.timeout(60)
+def test_the_size_of_the_input_is_known_where_it_can_be(tmp_path):
+    """What a prepare's time left is measured against (swarm/progress.py PrepareProgress)."""
+    write_lines(tmp_path / "txt", n=50)
+    size = (tmp_path / "txt" / "part.txt").stat().st_size
+    assert data.input_bytes(data_cfg(source="hf", dataset=str(tmp_path / "txt"))) == size
+    assert data.input_bytes(data_cfg(source="hf", dataset=str(tmp_path / "txt" / "part.txt"))) == size
+    assert data.input_bytes(data_cfg(source="hf", dataset=str(tmp_path / "txt"), max_documents=10)) is None
+    assert data.input_bytes(data_cfg(source="hf", dataset="someone/hub-dataset")) is None
+    (tmp_path / "pq").mkdir()
+    (tmp_path / "pq" / "rows.parquet").write_bytes(b"PAR1")
+    assert data.input_bytes(data_cfg(source="hf", dataset=str(tmp_path / "pq"))) is None  # compressed
+    assert data.input_bytes(data_cfg()) > 1_000_000  # the embedded corpus: the standard library's sources
+    calls = []
+    cfg = data_cfg(source="hf", dataset=str(tmp_path / "txt"), cache_dir=str(tmp_path / "cache"))
+    data.load_corpus(cfg, cache=False, progress=lambda *a: calls.append(a))
+    assert calls[-1][0] == 50 and calls[-1][2] == size - 50  # every character but the newlines
 
 
 @pytest.mark.timeout(90)
@@ -208,7 +227,7 @@ def test_the_token_files_are_the_same_whatever_the_number_of_workers(tmp_path):
         assert corpus.train.tolist() == [t for i in train for t in tok.encode(lines[i]) + [tok.sep_id]]
         assert len(hashes) == 1, tokenizer
 
-    def interrupted(documents, tokens):
+    def interrupted(documents, tokens, text):
         raise KeyboardInterrupt
 
     cfg = data_cfg(source="hf", dataset=str(tmp_path / "txt"), tokenizer=tok_path, prepare_workers=2,
@@ -223,7 +242,7 @@ def test_an_interrupted_prepare_is_started_over_and_a_damaged_corpus_is_refused(
     write_lines(tmp_path / "txt", n=120)
     cfg = data_cfg(source="hf", dataset=str(tmp_path / "txt"), cache_dir=str(tmp_path / "cache"))
 
-    def interrupted(documents, tokens):
+    def interrupted(documents, tokens, text):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
