@@ -134,6 +134,24 @@ def test_a_mixed_swarm_of_sharded_and_unsharded_peers_commits_one_hash(tmp_path,
             == [final] * 2
 
 
+def test_a_peer_of_two_ranks_takes_the_state_of_a_peer_of_four(tmp_path, swarm_cmd):
+    """Resharding by the canonical layout: the only donor shards its state over four FSDP ranks, the joiner over
+    two; the state travels whole, so the joiner's two ranks end on the donor's hash, and the two average on."""
+    result = swarm_cmd("local", "--config", "configs/tiny.yaml", "--peers", "1", "--join", "2", "--nproc-per-node",
+                       "4:fsdp,2:fsdp", "--rounds", "3", "--no-monitor", "--out", str(tmp_path), *SMALL,
+                       "--diloco.inner_steps", "3", "--data.batch_size", "4", "--checkpoint.every", "0", timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    peers = {p["name"]: p for p in json.loads((tmp_path / "summary.json").read_text())["peers"]}
+    (final,) = {p["final_global_sha256"] for p in peers.values()}
+    assert [peers[name]["nproc"] for name in ("peer-0", "peer-1")] == [4, 2]
+    (download,) = [e for e in peers["peer-1"]["events"] if e["event"] == "state_downloaded"]
+    assert download["donor"] == peers["peer-0"]["peer_id"]
+    assert peers["peer-1"]["rounds"][-1]["group_size"] == 2
+    for name, k in (("peer-0", 4), ("peer-1", 2)):
+        assert [json.loads(p.read_text())["global_sha256"] for p in (tmp_path / name / "ranks").glob("*.json")] \
+            == [final] * k
+
+
 def test_a_killed_sharded_peer_resumes_exactly_and_its_checkpoint_reshards(tmp_path, swarm_cmd):
     """Each rank writes its rows (pieces of one checkpoint); a rank killed mid-round takes the peer down, and the
     rerun resumes from the last complete checkpoint: one hash on both ranks, the losses of one process. That
