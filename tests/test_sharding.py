@@ -114,42 +114,42 @@ def test_a_local_swarm_refuses_ranks_that_do_not_parse(spec, count, error):
         parse_ranks(spec, count)
 
 
+def local_swarm_of_ranks(swarm_cmd, out, peers: int, ranks: str) -> tuple[dict[str, dict], str]:
+    """A `swarm local` of `peers` peers and a joiner at round 2, their ranks `ranks` (--nproc-per-node), 3 rounds:
+    its peers' summaries by name and the one hash they all end on (checked on every rank of every peer)."""
+    result = swarm_cmd("local", "--config", "configs/tiny.yaml", "--peers", str(peers), "--join", "2",
+                       "--nproc-per-node", ranks, "--rounds", "3", "--no-monitor", "--out", str(out), *SMALL,
+                       "--diloco.inner_steps", "3", "--data.batch_size", "4", "--checkpoint.every", "0", timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summaries = {p["name"]: p for p in json.loads((out / "summary.json").read_text())["peers"]}
+    (final,) = {p["final_global_sha256"] for p in summaries.values()}
+    for name, peer in summaries.items():
+        if peer["nproc"] > 1:
+            hashes = [json.loads(p.read_text())["global_sha256"] for p in (out / name / "ranks").glob("*.json")]
+            assert hashes == [final] * peer["nproc"], name
+    return summaries, final
+
+
 def test_a_mixed_swarm_of_sharded_and_unsharded_peers_commits_one_hash(tmp_path, swarm_cmd):
     """One single-process peer, one of two FSDP ranks, one of two DDP ranks: the same canonical layout, one group,
     one hash on every rank of every peer (blocking rounds; the solo test covers delayed ones). A peer of two FSDP
     ranks joins at round 2: it takes a donor's whole state (gathered from the shards of a sharded donor, or an
     unsharded one's) into its own shards, and ends on the same hash."""
-    result = swarm_cmd("local", "--config", "configs/tiny.yaml", "--peers", "3", "--join", "2", "--nproc-per-node",
-                       "1,2:fsdp,2:ddp,2:fsdp", "--rounds", "3", "--no-monitor", "--out", str(tmp_path), *SMALL,
-                       "--diloco.inner_steps", "3", "--data.batch_size", "4", "--checkpoint.every", "0", timeout=240)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    peers = {p["name"]: p for p in json.loads((tmp_path / "summary.json").read_text())["peers"]}
-    (final,) = {p["final_global_sha256"] for p in peers.values()}
+    peers, _ = local_swarm_of_ranks(swarm_cmd, tmp_path, 3, "1,2:fsdp,2:ddp,2:fsdp")
     assert [peers[f"peer-{i}"]["nproc"] for i in range(4)] == [1, 2, 2, 2]
     assert all(p["rounds_completed"] == 3 for p in peers.values()), peers
     assert peers["peer-1"]["rounds"][0]["group_size"] == 3
     assert "state_downloaded" in [e["event"] for e in peers["peer-3"]["events"]]
-    for name in ("peer-1", "peer-2", "peer-3"):
-        assert [json.loads(p.read_text())["global_sha256"] for p in (tmp_path / name / "ranks").glob("*.json")] \
-            == [final] * 2
 
 
 def test_a_peer_of_two_ranks_takes_the_state_of_a_peer_of_four(tmp_path, swarm_cmd):
     """Resharding by the canonical layout: the only donor shards its state over four FSDP ranks, the joiner over
     two; the state travels whole, so the joiner's two ranks end on the donor's hash, and the two average on."""
-    result = swarm_cmd("local", "--config", "configs/tiny.yaml", "--peers", "1", "--join", "2", "--nproc-per-node",
-                       "4:fsdp,2:fsdp", "--rounds", "3", "--no-monitor", "--out", str(tmp_path), *SMALL,
-                       "--diloco.inner_steps", "3", "--data.batch_size", "4", "--checkpoint.every", "0", timeout=240)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    peers = {p["name"]: p for p in json.loads((tmp_path / "summary.json").read_text())["peers"]}
-    (final,) = {p["final_global_sha256"] for p in peers.values()}
+    peers, _ = local_swarm_of_ranks(swarm_cmd, tmp_path, 1, "4:fsdp,2:fsdp")
     assert [peers[name]["nproc"] for name in ("peer-0", "peer-1")] == [4, 2]
     (download,) = [e for e in peers["peer-1"]["events"] if e["event"] == "state_downloaded"]
     assert download["donor"] == peers["peer-0"]["peer_id"]
     assert peers["peer-1"]["rounds"][-1]["group_size"] == 2
-    for name, k in (("peer-0", 4), ("peer-1", 2)):
-        assert [json.loads(p.read_text())["global_sha256"] for p in (tmp_path / name / "ranks").glob("*.json")] \
-            == [final] * k
 
 
 def test_a_killed_sharded_peer_resumes_exactly_and_its_checkpoint_reshards(tmp_path, swarm_cmd):
