@@ -8,7 +8,9 @@ Reported from the peers' own summary.json:
 - all-reduce MB/s per peer (bytes it received in the all-reduce / the all-reduce's seconds);
 - state download MB/s (the joiner's download of global parameters, outer momentum and AdamW moments);
 - time per round outside inner steps and matchmaking + all-reduce (`overhead_s`), as a share of the round.
-Every peer runs on 1 torch thread; 4 peers share the machine's 2 cores. `--quick`: a 21M-parameter model.
+Both for blocking rounds (`diloco.delay 0`) and delayed ones (`diloco.delay 1`: the outer step overlaps the
+next round's first inner step, a tenth of H as in the shipped configs). Every peer runs on 1 torch thread;
+4 peers share the machine's 2 cores. `--quick`: a 21M-parameter model.
 """
 
 from __future__ import annotations
@@ -70,6 +72,11 @@ def measure(summary: dict, state_bytes: int) -> dict:
     }
 
 
+MODES = {"blocking": ["--diloco.delay", "0"], "delayed": ["--diloco.delay", "1"]}
+"""The outer step blocking the next round's inner steps, or overlapping its first one (a tenth of H=10, the ratio
+of the shipped configs)."""
+
+
 def run(quick: bool) -> dict:
     spec = QUICK if quick else FULL
     cfg = load_config(CONFIG, spec["overrides"])
@@ -78,27 +85,34 @@ def run(quick: bool) -> dict:
     start = time.time()
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         floor = solo_peak(spec["overrides"], Path(tmp) / "solo") / state_bytes
-        summary = swarm_local([*spec["overrides"], "--peers", "3", "--join", "2", "--rounds", str(spec["rounds"]),
-                               "--diloco.inner_steps", str(spec["inner_steps"])], Path(tmp) / "swarm", 3000)
-    m = measure(summary, state_bytes)
-    ratios = m["peak_rss_ratio"]
+        modes = {mode: measure(swarm_local([*spec["overrides"], *flags, "--peers", "3", "--join", "2", "--rounds",
+                                            str(spec["rounds"]), "--diloco.inner_steps", str(spec["inner_steps"])],
+                                           Path(tmp) / mode, 3000), state_bytes)
+                 for mode, flags in MODES.items()}
     med = statistics.median
-    rows = [
-        ["peak resident memory / training state, per peer", " ".join(f"{k} {v:.2f}x" for k, v in ratios.items()),
-         f"max {max(ratios.values()):.2f}x; one `--solo` process: {floor:.2f}x"],
-        ["all-reduce MB/s per peer (received)", f"median {med(m['allreduce_mb_s']):.0f}",
-         f"min {min(m['allreduce_mb_s']):.0f}, max {max(m['allreduce_mb_s']):.0f}"],
-        ["state download MB/s (joiner)", " ".join(f"{d['mb_s']:.0f}" for d in m["downloads"]) or "–",
-         " ".join(f"{d['mb']:.0f} MB in {d['seconds']:.1f} s" for d in m["downloads"])],
-        ["time outside inner steps and all-reduce, per round", f"median {med(m['overhead_s']):.2f} s "
-         f"({100 * med(m['overhead_share']):.1f}% of the round)",
-         f"max {100 * max(m['overhead_share']):.1f}% ({100 * max(m['overhead_share_without_eval']):.1f}% in rounds "
-         f"without the eval, which takes {med(m['eval_s'] or [0]):.1f} s); rounds of {med(m['round_s']):.0f} s"],
-    ]
+    rows = []
+    for mode, m in modes.items():
+        ratios = m["peak_rss_ratio"]
+        rows += [
+            [f"{mode}: peak resident memory / training state, per peer",
+             " ".join(f"{k} {v:.2f}x" for k, v in ratios.items()),
+             f"max {max(ratios.values()):.2f}x; one `--solo` process: {floor:.2f}x"],
+            [f"{mode}: all-reduce MB/s per peer (received)", f"median {med(m['allreduce_mb_s']):.0f}",
+             f"min {min(m['allreduce_mb_s']):.0f}, max {max(m['allreduce_mb_s']):.0f}"],
+            [f"{mode}: state download MB/s (joiner)", " ".join(f"{d['mb_s']:.0f}" for d in m["downloads"]) or "–",
+             " ".join(f"{d['mb']:.0f} MB in {d['seconds']:.1f} s" for d in m["downloads"])],
+            [f"{mode}: time outside inner steps and all-reduce, per round", f"median {med(m['overhead_s']):.2f} s "
+             f"({100 * med(m['overhead_share']):.1f}% of the round)",
+             f"max {100 * max(m['overhead_share']):.1f}% ({100 * max(m['overhead_share_without_eval']):.1f}% in "
+             f"rounds without the eval, which takes {med(m['eval_s'] or [0]):.1f} s); rounds of "
+             f"{med(m['round_s']):.0f} s"],
+        ]
     table = md_table(["what", "measured", "detail"], rows)
+    identical = ", ".join(f"{mode} {m['identical']}" for mode, m in modes.items())
     table += (f"\n\n{params / 1e6:.1f}M parameters (training state {state_bytes / 1e9:.2f} GB), micro-batch "
               f"{cfg.data.batch_size}x{cfg.data.seq_len}, {spec['rounds']} rounds of H={spec['inner_steps']}, "
-              f"3 peers + 1 joiner at round 2 on loopback, 1 torch thread each on 2 shared cores. Every peer "
-              f"ended on the same hash: {m['identical']}. All-reduce time against hivemind's averager: section 5.")
-    return {"table": table, "params": params, "state_bytes": state_bytes, "solo_peak_ratio": floor, **m,
+              f"3 peers + 1 joiner at round 2 on loopback, 1 torch thread each on 2 shared cores; blocking: "
+              f"`--diloco.delay 0`, delayed: `--diloco.delay 1`. Every peer ended on the same hash: {identical}. "
+              f"All-reduce time against hivemind's averager: section 5.")
+    return {"table": table, "params": params, "state_bytes": state_bytes, "solo_peak_ratio": floor, "modes": modes,
             "config": spec, "wall_s_swarm": time.time() - start, "timestamp": stamp()}
