@@ -23,7 +23,7 @@ ATTACKS = {
     "stall-token": "puts another token in the matchmaking barrier than its meta says (the barrier decides only "
                    "a round's first attempt; then the all-reduce's HELLOs do)",
     "stall-silent": "pushes one chunk of each part, then holds its streams open, silent (each owner names it: "
-                    "SEEN, left out of its next groups)",
+                    "SEEN, left out for the round)",
     "garbage-meta": "sends matchmaking metadata that does not fit (matchmaking.GroupMeta, then a ban)",
     "poison-state": "serves a state with the right shapes and wrong values under the committed hash (the "
                     "newcomer hashes what it downloads)",

@@ -5,12 +5,11 @@
   dialed (not even to say that we leave a group).
 - `agreed_chunk`: the chunk size all members cut parts with, whatever their own time-outs.
 - `Offenses`: groupmates that made an attempt fail (`AllReduceFailed.culprit`). One is left out of this
-  peer's next groups (the rest of the round if proven, else the next LEAVE_OUT_GROUPS); one caught
-  sending what no honest peer sends (`blame` PROOF: malformed or non-finite data, a weight other than
-  announced, a wrong average found by an audit) commits an offense, and one caught `access.BAN_AFTER`
-  times is banned for the run (access.py keeps the counts, the bans and the events; a groupmate's word,
-  TOLD, never bans: a liar could name anyone), and so is every peer `Access` refuses (a stranger to a
-  private swarm's allowlist).
+  peer's later groups in the same round; one caught sending what no honest peer sends (`blame` PROOF:
+  malformed or non-finite data, a weight other than announced, a wrong average found by an audit) commits
+  an offense, and one caught `access.BAN_AFTER` times is banned for the run (access.py keeps the counts, the
+  bans and the events; a groupmate's word, TOLD, never bans: a liar could name anyone), and so is every peer
+  `Access` refuses (a stranger to a private swarm's allowlist).
   Matchmaking cannot refuse a peer (hivemind forms the group), so `exclude` drops the offenders from a
   formed group and gives the rest a new group id (the old id plus who was dropped): groupmates that caught
   the same offender (each owner sees a bad contributor itself) run the new group together at once; one
@@ -82,55 +81,28 @@ def agreed_chunk(group: Group) -> int:
     return min(meta["chunk"] for meta in group.metas)
 
 
-LEAVE_OUT_GROUPS = 2
-"""Groups that a peer blamed on unproven grounds (SEEN, TOLD) sits out before it is taken back."""
-
-
 class Offenses:
-    """Who sits out this peer's groups. A proven offender (PROOF) sits out the rest of the round, and
-    `access` counts the offense; an unproven culprit (SEEN: it went silent, which an honest peer on a bad link
-    does too; TOLD: a groupmate's word, which a liar gives against anyone) sits out only our next
-    LEAVE_OUT_GROUPS groups of this exchange. Left out for longer, honest peers that blamed each other for
-    a stranger's stalls would each stay alone, and a round whose exchange was discarded (retried at the same
-    round) would never form a group again: a livelock that one trickling peer caused."""
-
     def __init__(self, access: Access):
         self.access = access
-        self.round = -1
-        self.proven: set[str] = set()  # out for the rest of `round`
-        self.unproven: dict[str, int] = {}  # out for this many more of our groups of this exchange
-
-    def begin(self, round: int) -> None:
-        """A new exchange of `round` starts (a round's first, or its retry after a discarded one): the unproven
-        leave-outs of the last exchange end."""
-        self._at(round)
-        self.unproven = {}
-
-    def _at(self, round: int) -> None:
-        if round != self.round:
-            self.round, self.proven, self.unproven = round, set(), {}
+        self.round, self.this_round = -1, set()
 
     def record(self, peer: PeerID | str, round: int, reason: str, proven: bool = True) -> None:
-        """`peer` made an attempt of `round` fail: `proven` (we saw it send what no honest peer sends), out of
-        our groups for the rest of the round, and an offense; unproven (we saw it go silent, or a groupmate
-        said so), out of our next LEAVE_OUT_GROUPS groups of this exchange, and only noted."""
-        self._at(round)
+        """`peer` made an attempt of `round` fail: out of our groups for the rest of the round; `proven` (we saw
+        it send what no honest peer sends) also counts an offense. Unproven (a groupmate's word): only noted."""
+        if round != self.round:
+            self.round, self.this_round = round, set()
+        self.this_round.add(str(peer))
         if proven:
-            self.proven.add(str(peer))
             self.access.offense(peer, reason)
         else:
-            self.unproven[str(peer)] = LEAVE_OUT_GROUPS
-            self.access.note("left out", peer, f"round {round + 1}, our next {LEAVE_OUT_GROUPS} groups: {reason}")
+            self.access.note("left out", peer, f"round {round + 1}: {reason}")
 
     def excluded(self, peer: PeerID, round: int) -> bool:
-        return not self.access.seats(peer) or (round == self.round and (str(peer) in self.proven
-                                                                        or str(peer) in self.unproven))
+        return not self.access.seats(peer) or (round == self.round and str(peer) in self.this_round)
 
     def exclude(self, group: Group, round: int) -> Group:
         """`group` without the offenders, under a new id if any was dropped; NoGroup if only we remain."""
         out = [i for i, p in enumerate(group.members) if self.excluded(p, round)]
-        if round == self.round:  # this group uses up one of every unproven leave-out
-            self.unproven = {p: n - 1 for p, n in self.unproven.items() if n > 1}
         if not out:
             return group
         keep = [i for i in range(len(group.members)) if i not in out]

@@ -115,7 +115,7 @@ class NoGroup(Exception):
     """Matchmaking ended without a group; `alone` is True when nobody else showed up. `left`: a group this
     peer leaves although its groupmates may hold it (tell them, or they wait for us until they stall).
     `culprits`: the peers that made it fail, each already charged an offense here (the caller leaves them out
-    of its next groups, grouping.Offenses)."""
+    for the rest of the round)."""
 
     def __init__(self, reason: str, alone: bool, left: Optional[Group] = None, culprits: tuple[str, ...] = ()):
         super().__init__(reason)

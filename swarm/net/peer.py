@@ -171,7 +171,6 @@ class SwarmAverager(Averager):
     def _begin(self, outer_step: int, pseudo_grad: PseudoGradient, samples: int, out: Sequence[torch.Tensor],
                base: str) -> Averaging:
         """The call's bounds and metadata; announce that we are ready for this outer step."""
-        self.offenses.begin(outer_step)
         full = WireLayout(pseudo_grad.shapes, self._codec, 1)
         chunk = chunk_elements(self.cfg.stall_timeout, self.cfg.min_bandwidth)
         meta = {"samples": int(samples), "numel": full.numel, "base": base, "chunk": chunk}
@@ -342,15 +341,15 @@ class SwarmAverager(Averager):
         self.publish_progress(outer_step, 0, 0, 0.0, sha256=sha256, wait=True)
         deadline, waiting_for, position = time.monotonic() + self.cfg.linger_time, None, None
         while time.monotonic() < deadline:
-            records = self.records.read_peers()  # None: unreadable, which is no sign that nobody needs us
-            position = self.records.assess(outer_step, sha256, progress=records or [])
-            outvoted = position.verdict in (policy.Verdict.BEHIND, policy.Verdict.DIVERGED)
-            if outvoted and position.donors:
+            position = self.records.assess(outer_step, sha256)
+            if position.verdict in (policy.Verdict.BEHIND, policy.Verdict.DIVERGED) and position.donors:
                 logger.info(f"finished at outer step {outer_step} on {sha256[:12]}, but {position.note}: "
                             f"taking the swarm's state")
                 return list(position.donors)
+            outvoted = position.verdict in (policy.Verdict.BEHIND, policy.Verdict.DIVERGED)
             ours = position.swarm_round == outer_step and position.swarm_sha256 == sha256  # the swarm's hash
             now, window = get_dht_time(), live_window(self.cfg)
+            records = self.records.read_peers()  # None: unreadable, which is no sign that nobody needs us
             needing = None if records is None else sorted(
                 r.name for r in records if r.peer_id != self.peer_id and policy.is_live(r, now, window)
                 and (r.round < outer_step or (ours and r.round == outer_step and r.sha256 not in ("", sha256))))

@@ -238,19 +238,17 @@ class Records:
             records[self.peer_id] = self._published
         return list(records.values())
 
-    def assess(self, outer_step: int, sha256: str, commits: bool = True,
-               progress: Optional[list[schema.ProgressRecord]] = None) -> policy.Position:
+    def assess(self, outer_step: int, sha256: str, commits: bool = True) -> policy.Position:
         """Where we stand at `outer_step` with state hash `sha256` by the records (policy.assess); without
-        `commits`, the commit records are not read (`others_ready` needs only the progress records);
-        `progress`: the progress records if the caller read them already (`peers()`). A read that failed makes
-        it UNSURE."""
+        `commits`, the commit records are not read (`others_ready` needs only the progress records). A read
+        that failed makes it UNSURE."""
         records = self.read(schema.commits_key(self.cfg.run_id), schema.CommitRecord) if commits else {}
         if records is None:
             return policy.Position(policy.Verdict.UNSURE, outer_step, None, None, note="commit records unreadable")
-        position = policy.assess(self.peer_id, outer_step, sha256, self.peers() if progress is None else progress,
-                                 records, get_dht_time(), live_window(self.cfg))
+        position = policy.assess(self.peer_id, outer_step, sha256, self.peers(), records, get_dht_time(),
+                                 live_window(self.cfg))
         for peer in position.ignored:
-            self.access.note("ignored_claim", peer, "claims a round that its own hash or the majority contradicts")
+            self.access.note("ignored_claim", peer, "claims a round more than one past the swarm's majority")
         return position
 
     def others_ready(self, outer_step: int) -> bool:

@@ -30,33 +30,6 @@ def test_an_offender_is_left_out_this_round_and_banned_after_two():
     assert peer(2) not in offenses.exclude(g, round=5).members  # two: out for the run
 
 
-def test_an_unproven_culprit_sits_out_only_the_next_groups():
-    offenses = grouping.Offenses(Access())
-    g = group(3)
-    offenses.begin(0)
-    offenses.record(peer(1), round=0, reason="nothing arrived for 10 s", proven=False)
-    for _ in range(grouping.LEAVE_OUT_GROUPS):
-        assert offenses.exclude(g, round=0).members == [peer(0), peer(2)]
-    assert offenses.exclude(g, round=0) is g  # taken back: one silence is no proof
-    assert [e["event"] for e in offenses.access.events] == ["left out"]  # noted, no offense
-
-
-def test_a_retried_exchange_takes_back_the_unproven_but_not_the_proven():
-    """Honest peers that blamed each other for a stranger's stalls (unproven) and had the round's exchange
-    discarded start its retry together again: with leave-outs for the whole round, each stayed alone, and
-    the round was retried for ever (the `trickle` livelock)."""
-    offenses = grouping.Offenses(Access())
-    offenses.begin(4)
-    offenses.record(peer(1), round=4, reason="silent", proven=False)
-    offenses.record(peer(2), round=4, reason="NaN")
-    with pytest.raises(NoGroup):
-        offenses.exclude(group(3), round=4)
-    offenses.begin(4)  # the same round again, after H more inner steps
-    assert offenses.exclude(group(3), round=4).members == [peer(0), peer(1)]
-    offenses.begin(5)
-    assert offenses.exclude(group(3), round=5).members == [peer(0), peer(1), peer(2)]
-
-
 def test_peers_that_caught_the_same_offender_agree_on_the_new_group_id():
     a, b = grouping.Offenses(Access()), grouping.Offenses(Access())
     for o in (a, b):

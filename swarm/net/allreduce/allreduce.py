@@ -152,7 +152,6 @@ class AllReduce(GroupSlots):
             await group.fail(str(e) or type(e).__name__, getattr(e, "culprit", None), getattr(e, "blame", TOLD))
             for task in [watch, *tasks]:
                 task.cancel()
-            await asyncio.gather(watch, *tasks, return_exceptions=True)  # nobody reads our streams any more
             if isinstance(e, AllReduceFailed) and e.culprit is None and group.culprit is not None:
                 e = AllReduceFailed(f"{e} (first failure: {group.failure})", group.culprit, group.blame)
             self._forget(group_id, e if isinstance(e, AllReduceFailed) else group.failed())

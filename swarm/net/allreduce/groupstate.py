@@ -32,7 +32,7 @@ PROOF, SEEN, TOLD = "proof", "seen", "told"
   BAN_AFTER);
 - SEEN: we saw it go silent, or leave, in the middle of its part (an honest peer may die or lose its link);
 - TOLD: a groupmate's FAIL named it (the groupmate saw it, or was told), which a liar could do to anyone.
-SEEN and TOLD only keep it out of our next groups (grouping.LEAVE_OUT_GROUPS of them), never an offense.
+SEEN and TOLD only keep it out of our groups for the rest of the round (grouping.Offenses), never an offense.
 Every FAIL we send names our failure's culprit, whatever we know it by, so that every member of a group that
 fails because of one peer names that peer, whichever message reaches it first."""
 
@@ -48,9 +48,7 @@ class AllReduceFailed(SwarmError):
 
 
 async def together(*steps) -> None:
-    """Run `steps` concurrently; the first failure cancels the others and is raised. Returns only once every
-    step has ended: a step still reading a stream when we return would collide with the next reader of it
-    (`Channel.refuse` after a failure: "read() called while another coroutine is already waiting")."""
+    """Run `steps` concurrently; the first failure cancels the others and is raised."""
     tasks = [asyncio.ensure_future(step) for step in steps]
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -59,7 +57,6 @@ async def together(*steps) -> None:
     finally:
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)  # each ends at its next await: this wait ends
 
 
 def check_weights(members: Sequence[PeerID], weights: Sequence[object], me: int, ours: float) -> None:
