@@ -36,10 +36,15 @@ def test_a_peer_claiming_a_round_ahead_and_one_forging_commits_steer_nobody(tmp_
 def test_a_run_whose_last_round_split_in_two_groups_ends_on_one_hash(tmp_path, swarm_cmd):
     """`swarm local --peers 4 --rounds 1 --swarm.target_group_size 2`, as a new user would try it: two groups of
     two commit the one round on two hashes; at the end the half on the smaller hash takes the other's state (the
-    tie goes to the larger hash on both sides), so every peer ends on one hash."""
+    tie goes to the larger hash on both sides), so every peer ends on one hash. Exactly the peers that committed
+    another hash than the one they all end on take it at the end; a peer that started after the round was committed
+    (3 s late on a loaded machine) trained no round and took the committed state when it started instead."""
     summary = run_local(swarm_cmd, tmp_path, "--peers", "4", "--rounds", "1", "--swarm.target_group_size", "2")
     peers = summary["peers"]
-    assert len({p["final_global_sha256"] for p in peers}) == 1
-    committed = {p["rounds"][0]["global_sha256"] for p in peers}
-    agreed = [p["name"] for p in peers if any(e["event"] == "end_agreed" for e in p["events"])]
-    assert len(agreed) == (0 if len(committed) == 1 else 2), (committed, agreed)
+    (final,) = {p["final_global_sha256"] for p in peers}
+    late = sorted(p["name"] for p in peers if not p["rounds"])
+    assert all(any(e["event"] == "state_downloaded" for e in p["events"]) for p in peers if p["name"] in late)
+    outvoted = sorted(p["name"] for p in peers if p["rounds"] and p["rounds"][0]["global_sha256"] != final)
+    agreed = sorted(p["name"] for p in peers if any(e["event"] == "end_agreed" for e in p["events"]))
+    assert agreed == outvoted, (outvoted, agreed, late)
+    assert len(late) < 4
