@@ -23,7 +23,7 @@ from pathlib import Path
 from bench.common import REPO, md_table, stamp
 from swarm.configfile import load_config
 from swarm.data import load_corpus
-from swarm.model import build_model, count_parameters
+from swarm.model import build_model
 
 BYTES_PER_PARAMETER = 6 * 4
 RUN = ["--data.seq_len", "64", "--model.max_seq_len", "64", "--data.batch_size", "4", "--data.eval_batches", "1",
@@ -75,7 +75,8 @@ def export_peak(model: list[str], out: Path) -> int:
 def run(quick: bool) -> dict:
     model, ks = (MODELS["quick"], [1, 2]) if quick else (MODELS["full"], [1, 2, 4])
     cfg = load_config(REPO / "configs" / "tiny.yaml", model)
-    params = count_parameters(build_model(cfg.model, load_corpus(cfg.data).tokenizer.vocab_size))
+    sizes = [p.numel() for p in build_model(cfg.model, load_corpus(cfg.data).tokenizer.vocab_size).parameters()]
+    params, largest = sum(sizes), max(sizes)
     state = BYTES_PER_PARAMETER * params
     start = time.time()
     with tempfile.TemporaryDirectory(prefix="bench-shards-") as tmp:
@@ -98,7 +99,6 @@ def run(quick: bool) -> dict:
               f"One `swarm peer --solo --inner.parallel fsdp` per K: 1 round of 2 inner steps, batch 4 x 64 tokens, "
               f"1 torch thread per rank on 2 shared cores. Rank 0's extra is the exchange's whole pseudo-gradient "
               f"and average (8 bytes per parameter; 1/F with diloco.fragments F).")
-    largest = max(p.numel() for p in build_model(cfg.model, load_corpus(cfg.data).tokenizer.vocab_size).parameters())
     table += "\n\n" + md_table(
         ["`swarm export` of the 2-rank checkpoint", "peak RSS, MiB", "over the constant, MiB", "global parameters, MiB",
          "largest tensor, MiB"],
