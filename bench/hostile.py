@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 from bench.common import REPO, md_table, spawn, stamp, stop
+from swarm.config import SwarmConfig
 from swarm.net.attacks import ATTACKS
 
 PEERS, ATTACKER = 4, 3
@@ -148,9 +149,11 @@ def run(quick: bool = False, rerun: bool = True) -> dict:
     table = md_table(["attack (peer 3 of 4)", "honest rounds committed", "one hash", "samples / round",
                       "eval loss", "vs unattacked", "what caught it (honest peers' events)"], rows)
     extras = "; ".join(f"{kind}: {' '.join(args)}" for kind, args in EXTRA.items())
+    d = SwarmConfig()  # the shipped defaults the table is measured with
     note = (f"\n\n`swarm local --config configs/tiny.yaml --peers {PEERS} {' '.join(RUN)} --hostile KIND@{ATTACKER}`; "
-            f"(defaults otherwise: swarm.max_weight_share 0.5, clip_norm_ratio 4, aggregation trimmed_mean, "
-            f"verify_parts false, identity_work 0); {extras}; "
+            f"(defaults otherwise: swarm.max_weight_share {d.max_weight_share:g}, "
+            f"clip_norm_ratio {d.clip_norm_ratio:g}, aggregation {d.aggregation}, "
+            f"verify_parts {str(d.verify_parts).lower()}, identity_work {d.identity_work}); {extras}; "
             f"samples / round: the honest peers' own samples (inner steps x batch) that entered committed rounds, "
             f"per round (the attacker's never count); eval loss: mean of the honest peers' last eval.")
     return {"stamp": stamp(), "quick": quick, "results": results, "table": table + note}

@@ -202,16 +202,19 @@ class SwarmConfig:
     aggregation: Literal["mean", "trimmed_mean", "centered_clip"] = "trimmed_mean"
     """A part owner's per-chunk reducer: weighted mean, coordinate-wise trimmed mean (drops the 20% highest
     and lowest values of every coordinate, at least one each from 3 members on), or centered clip."""
-    verify_parts: bool = False
+    verify_parts: bool = True
     """Each member recomputes one random chunk of every other part and fails the round on a lying owner (a
-    part owner otherwise sets its part of the average alone). Off by default: a client (swarm.client_mode)
-    cannot answer audits, so a run with it cannot hold clients; on tiny.yaml it cost +0.2% eval loss (noise)."""
+    part owner otherwise sets its part of the average alone: +184% eval loss in the hostile table's bad-part
+    row). A client (swarm.client_mode) brings its contributions on a stream it opens to each owner; two clients
+    cannot reach each other, so a client leaves unchecked the parts another client contributed to. Costs
+    (n-1)^2 chunks fetched per member and round (audit.py); on tiny.yaml +0.2% eval loss (noise)."""
 
     def relaxed(self) -> list[str]:
         """The bounds on one peer's influence this config turns off (a private swarm may; an open one should not)."""
         return [text for off, text in ((self.max_weight_share >= 1.0, "max_weight_share 1"),
                                        (self.clip_norm_ratio == 0.0, "clip_norm_ratio 0"),
-                                       (self.aggregation == "mean", "aggregation mean")) if off]
+                                       (self.aggregation == "mean", "aggregation mean"),
+                                       (not self.verify_parts, "verify_parts false")) if off]
 
 
 @dataclass

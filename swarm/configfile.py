@@ -180,9 +180,6 @@ def validate(cfg: Config) -> None:
     for peer in s.allowed_peers:
         if not re.fullmatch(r"(Qm|12D3Koo)[1-9A-HJ-NP-Za-km-z]{40,50}", peer):
             raise ConfigError(f"swarm.allowed_peers: {peer!r} is not a peer id (base58, Qm... or 12D3Koo...)")
-    if s.client_mode and s.verify_parts:
-        raise ConfigError("swarm.client_mode: a client cannot be dialed, so it cannot answer the audits of "
-                          "swarm.verify_parts")
     if not s.min_bandwidth > 0:
         raise ConfigError(f"swarm.min_bandwidth must be a positive number of bytes/s, got {s.min_bandwidth}")
     dl = cfg.diloco

@@ -343,7 +343,7 @@ class Matchmaker:
             raise NoGroup(f"round {round}: malformed matchmaking metadata from {', '.join(bad)}", alone=False,
                           left=group, culprits=tuple(bad))
         checked = {str(p): GroupMeta.parse_obj(m) for p, m, ok in zip(members, metas, admitted) if ok}
-        if (found := misfit(round, checked, GroupMeta.parse_obj(ours), self.cfg.verify_parts)) is not None:
+        if (found := misfit(round, checked, GroupMeta.parse_obj(ours))) is not None:
             reason, culprits = found
             for peer in culprits:
                 self.access.offense(peer, reason)
@@ -370,8 +370,7 @@ class Matchmaker:
         self.averager.join(self.cfg.request_timeout)
 
 
-def misfit(round: int, checked: dict[str, GroupMeta], ours: GroupMeta,
-           verify_parts: bool) -> Optional[tuple[str, list[str]]]:
+def misfit(round: int, checked: dict[str, GroupMeta], ours: GroupMeta) -> Optional[tuple[str, list[str]]]:
     """Why a group whose admitted members signed `checked` (by peer id) must be left, and who is to blame (each
     said it itself); None if it need not."""
     if other := [p for p, m in checked.items() if m.round != round]:
@@ -379,9 +378,6 @@ def misfit(round: int, checked: dict[str, GroupMeta], ours: GroupMeta,
     if other := [p for p, m in checked.items() if m.numel != ours.numel]:
         return (f"round {round}: {', '.join(other)} average vectors of other sizes than our {ours.numel} "
                 f"elements", other)
-    if verify_parts and (other := [p for p, m in checked.items() if m.client]):  # config.py refuses the two together
-        return (f"round {round}: {', '.join(other)} claims to be a client, which cannot answer the audits of "
-                f"swarm.verify_parts", other)
     return None
 
 

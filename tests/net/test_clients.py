@@ -65,15 +65,13 @@ def test_the_client_flag_in_matchmaking_metadata_is_a_strict_bool():
     assert fits(dict(meta, client=True)) and not fits(dict(meta, client=1)) and not fits(dict(meta, client="true"))
 
 
-def test_a_client_in_a_run_that_audits_is_refused():
+def test_a_client_meta_fits_a_group_and_misfits_are_named():
     metas = {"a": GroupMeta(round=4, nonce="0" * 16, token=2.0),
              "b": GroupMeta(round=4, nonce="1" * 16, token=2.0, client=True)}
-    assert misfit(4, metas, metas["a"], verify_parts=False) is None
-    assert misfit(4, metas, metas["a"], verify_parts=True) == ("round 4: b claims to be a client, which cannot "
-                                                               "answer the audits of swarm.verify_parts", ["b"])
-    assert "another round" in misfit(5, metas, metas["a"], verify_parts=False)[0]
+    assert misfit(4, metas, metas["a"]) is None  # audits reach a client on the stream it opens (audit.offer)
+    assert "another round" in misfit(5, metas, metas["a"])[0]
     other = dict(metas, c=GroupMeta(round=4, nonce="2" * 16, token=2.0, numel=7))
-    assert misfit(4, other, metas["a"], verify_parts=False)[1] == ["c"]  # the one whose signed size differs
+    assert misfit(4, other, metas["a"])[1] == ["c"]  # the one whose signed size differs
 
 
 @pytest.mark.timeout(60)
@@ -108,14 +106,43 @@ def test_a_client_takes_part_owns_nothing_and_ends_with_the_same_average():
     assert owner.sent >= layout.member_wire_bytes(0)
 
 
+async def _deaf() -> None:
+    """A client's AllReduce registers no stream handler (peer.py): a stream opened to it fails. Its stop, too."""
+
+
 @pytest.mark.timeout(60)
-def test_verify_parts_refuses_a_group_with_a_client():
+def test_an_audited_group_with_a_client_agrees_on_the_average():
     from swarm.net.allreduce.robust import Rule
 
+    vectors = [torch.randn(5_000) for _ in range(3)]
     with three_dhts() as dhts:
-        _, results = run_group(dhts, [torch.randn(100) for _ in range(3)], [1.0, 1.0, 1.0], clients=(2,),
-                               rule=Rule(verify=True), stall=2.0)
-    assert all(isinstance(r, AllReduceFailed) and "verify_parts" in str(r) for r in results), results
+        _, results = run_group(dhts, vectors, [1.0, 1.0, 1.0], clients=(2,), rule=Rule(verify=True),
+                               chunk_elements=1024, hooks={2: {"start": _deaf, "stop": _deaf}})
+    for r in results:
+        assert not isinstance(r, BaseException), r
+        assert torch.equal(r.tensor, results[0].tensor)
+    assert torch.allclose(results[0].tensor, torch.stack(vectors).mean(0), atol=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_an_owner_lying_to_a_group_with_a_client_is_named_by_every_auditor():
+    """Owner 0 adds 1e-3 to its part's average. Owner 1 can recompute that part only with the client's
+    contribution, which the client brings on a stream it opens (it cannot be dialed); the client recomputes it
+    from the two owners. Each names owner 0 itself, and nobody returns the wrong average."""
+    from swarm.net.allreduce.robust import Rule
+    from swarm.net.hostile import Hooks
+
+    class Lies(Hooks):
+        def average(self, values, chunk):
+            return values + 1e-3
+
+    with three_dhts() as dhts:
+        members, results = run_group(dhts, [torch.randn(3000) for _ in range(3)], [1.0, 1.0, 1.0], clients=(2,),
+                                     rule=Rule(verify=True), stall=5.0,
+                                     hooks={0: {"hooks": Lies()}, 2: {"start": _deaf, "stop": _deaf}})
+    assert all(isinstance(r, AllReduceFailed) for r in results), results
+    for r in results[1:]:
+        assert f"owner {members[0]} returned a wrong average" in str(r) and r.culprit == members[0], results
 
 
 class _DHT:
@@ -147,3 +174,20 @@ def test_a_client_records_its_commits_but_never_serves_its_state(client):
         (schema.commits_key(cfg.run_id), 2, "ab" * 32)]
     assert records.serving is (None if client else snapshot)  # `serves_state` is this, not None
     assert published == ["ab" * 32]  # its final record names the hash it committed
+
+
+@pytest.mark.timeout(60)
+def test_a_client_that_brings_no_contributions_leaves_its_parts_unchecked_not_the_group_stalled(monkeypatch):
+    """A client that never opens its audit stream (an older peer, or one that will not be checked): each owner
+    waits for it until the client's DONE and `stall` s more, then audits without it (that part unchecked): had
+    it waited on, the run's deadline would have failed the group."""
+    from swarm.net.allreduce import audit
+    from swarm.net.allreduce.robust import Rule
+
+    async def silent(slots, group, m) -> None:
+        return None
+    monkeypatch.setattr(audit, "offer", silent)
+    with three_dhts() as dhts:
+        _, results = run_group(dhts, [torch.randn(3000) for _ in range(3)], [1.0, 1.0, 1.0], clients=(2,),
+                               rule=Rule(verify=True), stall=2.0, hooks={2: {"start": _deaf, "stop": _deaf}})
+    assert all(not isinstance(r, BaseException) for r in results), results

@@ -9,7 +9,7 @@ import torch
 from conftest import SkipsOwnCheck, run_group, three_dhts
 from peer_proc import make_vector
 
-from swarm.net.allreduce import agree
+from swarm.net.allreduce import agree, audit
 from swarm.net.allreduce.groupstate import AllReduceFailed
 from swarm.net.allreduce.layout import WireLayout, gather, scatter
 from swarm.net.codec import FP32_BELOW, get_codec
@@ -102,11 +102,15 @@ def test_swarm_averagers_int4_small_tensors_fp32_and_residual(bootstrap, peers):
     codec = get_codec("int4")
     layout = WireLayout([v.shape for v in vectors[0]], codec, 3)
     per_member = [layout.member_wire_bytes(j) for j in range(3)]
+    # swarm.verify_parts (on by default): one chunk of each of the 2 other parts, from each of the 2 others,
+    # fetched and served, with 16-byte digests of every member's contribution per result chunk
+    chunk = max(layout.codec_of(c).wire_bytes(c.numel) for j in range(3) for c in layout.chunks(j))
+    checks = audit.audit_bytes(3, chunk) + 3 * audit.DIGEST * sum(len(layout.chunks(j)) for j in range(3))
     for o, v in zip(outcomes, vectors):
         residual = o["residual"]
         assert residual is not None and torch.equal(residual[0], torch.zeros_like(v[0]))
         assert all(torch.equal(a, b) for a, b in zip(residual, expected_residual(codec, v, layout)))
         # our parts go out and results come back; our own part's result is served to the 2 groupmates as
         # they ask for it, which may be after average() returned, so `sent` has an exact upper bound only
-        assert min(per_member) <= o["bytes_received"] <= max(per_member) + 4000 + agree.wire_bytes(3)
-        assert 0 < o["bytes_sent"] <= max(per_member) + 4000 + agree.wire_bytes(3)
+        assert min(per_member) <= o["bytes_received"] <= max(per_member) + 4000 + agree.wire_bytes(3) + checks
+        assert 0 < o["bytes_sent"] <= max(per_member) + 4000 + agree.wire_bytes(3) + checks

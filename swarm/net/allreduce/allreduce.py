@@ -107,9 +107,6 @@ class AllReduce(GroupSlots):
         `keys`: every member's public key (its signed meta): then members agree on every part's bytes first."""
         me = list(members).index(self.p2p.peer_id)
         check_weights(members, weights, me, contribution.weight)
-        if self.rule.verify and layout.clients:
-            raise AllReduceFailed("swarm.verify_parts needs every member to answer audits, and a client cannot be "
-                                  "dialed")
         slot = self._groups.setdefault(group_id, asyncio.get_running_loop().create_future())
         if slot.done():
             raise AllReduceFailed(f"group {group_id.hex()[:8]} was already run here")
@@ -127,6 +124,7 @@ class AllReduce(GroupSlots):
             done = (lambda base: lambda: base() and group.agreed >= others
                     and len(group.settled) == len(group.members))(done)
         deadline = self.deadline(layout, me)
+        group.ends_at = asyncio.get_running_loop().time() + deadline
         watch = asyncio.ensure_future(group.wait_for(done, None, "all-reduce"))
         try:
             async with asyncio.timeout(deadline):

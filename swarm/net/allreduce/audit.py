@@ -54,7 +54,7 @@ from swarm.net.allreduce.layout import gather
 from swarm.net.allreduce.robust import reduce_chunk
 from swarm.net.allreduce.slots import GroupSlots
 from swarm.net.codec import CodecError
-from swarm.net.wire import Channel, Kind, ProtocolError, WireError
+from swarm.net.wire import Channel, Closed, Kind, ProtocolError, WireError
 from swarm.tensors import all_finite
 
 logger = logging.getLogger("swarm.net.allreduce")  # one log for the whole all-reduce
@@ -71,6 +71,8 @@ def start(slots: GroupSlots, group: GroupState, tasks: list) -> Callable[[], boo
     `tasks`; return when the run is done: complete, our audit passed, every groupmate said DONE (or left)."""
     group.audit_pick = {j: secrets.randbelow(len(c)) for j, c in enumerate(group.chunks) if j != group.me and c}
     tasks.append(asyncio.ensure_future(audit(slots, group)))
+    if group.me in group.layout.clients:  # nobody can dial us: we take our contributions to the auditors
+        tasks += [asyncio.ensure_future(offer(slots, group, m)) for m in group.layout.owners]
     return lambda: group.complete() and group.audited and len(group.settled) == len(group.members)
 
 
@@ -85,21 +87,93 @@ def encode_pure(group: GroupState, chunk) -> bytes:
 
 
 async def fetch(slots: GroupSlots, group: GroupState, i: int, j: int, k: int) -> Optional[bytes]:
-    """Member i's contribution to chunk k of part j; None if it is gone (that part goes unchecked)."""
+    """Member i's contribution to chunk k of part j; None if it is gone (that part goes unchecked). A client is
+    asked on the stream it opened to us (`offer`), anyone else on a stream we open."""
     chunk = group.chunks[j][k]
+    client = i in group.layout.clients
     try:
-        channel = await Channel.open(slots.p2p, group.members[i], f"{slots.name}_audit", slots.stall, group.traffic)
+        if not client:
+            channel = await Channel.open(slots.p2p, group.members[i], f"{slots.name}_audit", slots.stall,
+                                         group.traffic)
+        elif (channel := await offered(slots, group, i)) is None:
+            return None
         try:
             await channel.send_control(Kind.HELLO, {"group": group.group_id, "part": j, "chunk": k})
             return bytes(await channel.recv_kind(Kind.CHUNK, group.layout.codec_of(chunk).wire_bytes(chunk.numel)))
         finally:
-            channel.close()
+            if not client:
+                channel.close()
     except ProtocolError as e:
         raise AllReduceFailed(f"part {j}: {group.members[i]} sent a malformed contribution for the audit: {e}",
                               group.members[i]) from None
     except WireError as e:
         logger.warning(f"all-reduce: cannot audit part {j}: {group.members[i]} did not send its contribution: {e}")
         return None
+
+
+async def offered(slots: GroupSlots, group: GroupState, i: int) -> Optional[Channel]:
+    """The stream client i opened to answer our audits. It opens it once it holds the whole average, before its
+    DONE (which waits for its own audit): so we wait for it until then and `stall` s more, within the run's
+    deadline. None if it never came, or if we are a client too (neither of us can dial the other)."""
+    if group.me in group.layout.clients:
+        logger.info(f"all-reduce: cannot audit the parts {group.members[i]} contributed to: it is a client, "
+                    f"and so are we")
+        return None
+    stream = group.offers.setdefault(i, asyncio.get_running_loop().create_future())
+    try:
+        async with asyncio.timeout_at(group.ends_at):
+            await group.wait_for(lambda: stream.done() or i in group.settled, None, "audit")
+            async with asyncio.timeout(slots.stall):
+                return await asyncio.shield(stream)
+    except TimeoutError:
+        logger.warning(f"all-reduce: cannot audit: client {group.members[i]} did not bring its contributions")
+        return None
+
+
+async def offer(slots: GroupSlots, group: GroupState, m: int) -> None:
+    """We are a client: once we hold the whole average, open a stream to auditor m (an owner) and answer its
+    requests, one chunk of each part it checks (not its own), until it closes the stream (its audit is over).
+    What m does wrong here ends this stream only: m's audit then leaves our contributions unchecked."""
+    await group.wait_for(group.complete, None, "audit offer")
+    loop, asked = asyncio.get_running_loop(), set()
+    try:
+        channel = await Channel.open(slots.p2p, group.members[m], f"{slots.name}_audit", slots.stall, group.traffic)
+        try:
+            await channel.send_control(Kind.HELLO, {"group": group.group_id, "offer": True})
+            while True:
+                channel.stall = max(slots.stall, group.ends_at - loop.time())  # m asks once it holds the average
+                try:
+                    request = await channel.recv_control()
+                except Closed:
+                    return  # m's audit is over
+                channel.stall = slots.stall
+                j, k = request.get("part"), request.get("chunk")
+                if not (isinstance(j, int) and 0 <= j < len(group.members) and j != m and j not in asked
+                        and isinstance(k, int) and 0 <= k < len(group.chunks[j])):
+                    raise ProtocolError(f"{channel.peer} asked for chunk {k!r} of part {j!r} for its audit")
+                asked.add(j)
+                await channel.send(Kind.CHUNK, await slots.cpu(encode_pure, group, group.chunks[j][k]))
+        finally:
+            channel.close()
+    except WireError as e:
+        logger.info(f"all-reduce: the audit of {group.members[m]} gets no more of our contributions: {e}")
+
+
+async def take_offer(group: Optional[GroupState], channel: Channel) -> None:
+    """A client of `group` opened `channel` to answer our audit (`offer`): hand it to `fetch`, and keep it open
+    until our audit is over."""
+    i = group.members.index(channel.peer) if group is not None and channel.peer in group.members else None
+    if (i is None or not group.rule.verify or group.failure is not None or i not in group.layout.clients
+            or group.me in group.layout.clients or ((f := group.offers.get(i)) is not None and f.done())):
+        return await channel.fail("no such group here, not a client of it, or offered already")
+    channel.count_into(group.traffic)
+    group.offers.setdefault(i, asyncio.get_running_loop().create_future()).set_result(channel)
+    await group.notify()
+    try:
+        async with asyncio.timeout_at(group.ends_at):
+            await group.wait_for(lambda: group.audited, None, "audit")
+    except (TimeoutError, AllReduceFailed):
+        return  # our audit or our round ended without passing: run() says why; this stream just closes
 
 
 async def check_part(slots: GroupSlots, group: GroupState, j: int) -> None:
@@ -172,6 +246,8 @@ async def serve_audit(slots: GroupSlots, channel: Channel) -> None:
     hello = await channel.recv_control()
     group_id = hello.get("group")
     group = slots.held(group_id, failed=True)
+    if hello.get("offer") is True:
+        return await take_offer(group, channel)
     j, k = hello.get("part"), hello.get("chunk")
     valid = (group is not None and group.rule.verify and channel.peer in group.members and isinstance(j, int)
              and 0 <= j < len(group.members) and isinstance(k, int) and 0 <= k < len(group.chunks[j])

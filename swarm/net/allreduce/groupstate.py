@@ -117,6 +117,9 @@ class GroupState:
         # groupmates' failed audits (reason, the culprit they name), acted on once ours is done (audit.py)
         self.refusals: list[tuple[str, Optional[PeerID]]] = []
         self.audits_served: set[tuple[PeerID, int]] = set()  # (groupmate, part) whose contribution we re-sent
+        # a client's contributions for our audits come on a stream it opens (audit.offer): by client index
+        self.offers: dict[int, asyncio.Future] = {}
+        self.ends_at: Optional[float] = None  # loop time of the run's deadline (None: not started)
         # one result per part (agree.py), with every member's public key: off without them
         self.keys = list(keys) if keys is not None else None
         self.agreeing = keys is not None
