@@ -82,23 +82,38 @@ def agreed_chunk(group: Group) -> int:
 
 
 class Offenses:
+    """Who sits out this peer's groups. A proven offender (we saw it send what no honest peer sends) sits out
+    the rest of the round, and `access` counts the offense. An unproven culprit (SEEN: it went silent, as an
+    honest peer on a bad link does; TOLD: a groupmate's word, which a liar gives against anyone) sits out the
+    rest of this averaging attempt only: `begin` takes it back. Left out for the round, honest peers that blamed
+    each other for a trickler's stalls stayed apart, and since a discarded round is retried at the same round
+    the leave-outs never lapsed ("only offenders in our group; retrying" for ever)."""
+
     def __init__(self, access: Access):
         self.access = access
-        self.round, self.this_round = -1, set()
+        self.round, self.proven, self.unproven = -1, set(), set()
+
+    def _at(self, round: int) -> None:
+        if round != self.round:
+            self.round, self.proven, self.unproven = round, set(), set()
+
+    def begin(self, round: int) -> None:
+        """A new averaging attempt of `round` (the first, or a retry after a discard): unproven leave-outs lapse."""
+        self._at(round)
+        self.unproven = set()
 
     def record(self, peer: PeerID | str, round: int, reason: str, proven: bool = True) -> None:
-        """`peer` made an attempt of `round` fail: out of our groups for the rest of the round; `proven` (we saw
-        it send what no honest peer sends) also counts an offense. Unproven (a groupmate's word): only noted."""
-        if round != self.round:
-            self.round, self.this_round = round, set()
-        self.this_round.add(str(peer))
+        """`peer` made an attempt of `round` fail: out of our groups (see the class); `proven` also counts an
+        offense. Unproven: only noted."""
+        self._at(round)
+        (self.proven if proven else self.unproven).add(str(peer))
         if proven:
             self.access.offense(peer, reason)
         else:
             self.access.note("left out", peer, f"round {round + 1}: {reason}")
 
     def excluded(self, peer: PeerID, round: int) -> bool:
-        return not self.access.seats(peer) or (round == self.round and str(peer) in self.this_round)
+        return not self.access.seats(peer) or (round == self.round and str(peer) in self.proven | self.unproven)
 
     def exclude(self, group: Group, round: int) -> Group:
         """`group` without the offenders, under a new id if any was dropped; NoGroup if only we remain."""

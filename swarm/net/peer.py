@@ -177,6 +177,7 @@ class SwarmAverager(Averager):
         if self.cfg.client_mode:  # only then: a peer of an earlier version refuses a meta with keys it lacks
             meta["client"] = True
         job = Averaging(outer_step, pseudo_grad, samples, out, base, full, meta)
+        self.offenses.begin(outer_step)
         job.deadline = job.start + round_deadline(2 * full.part_wire_bytes(0), self.cfg)  # 2 (n-1)/n V < 2 V
         if self.cfg.error_feedback and self._codec.lossy:
             job.residual = [torch.zeros(s) for s in pseudo_grad.shapes]

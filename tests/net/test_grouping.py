@@ -30,6 +30,20 @@ def test_an_offender_is_left_out_this_round_and_banned_after_two():
     assert peer(2) not in offenses.exclude(g, round=5).members  # two: out for the run
 
 
+def test_an_unproven_culprit_is_taken_back_at_the_next_attempt_a_proven_one_is_not():
+    """Two honest peers blamed each other for a trickler's stall (unproven): left out for the round, each would
+    stay alone and retry the discarded round for ever."""
+    offenses = grouping.Offenses(Access())
+    g = group(4)
+    offenses.begin(0)
+    offenses.record(peer(1), round=0, reason="went silent", proven=False)
+    offenses.record(peer(2), round=0, reason="NaN")
+    assert offenses.exclude(g, round=0).members == [peer(0), peer(3)]
+    offenses.begin(0)  # the round was discarded: its retry
+    assert offenses.exclude(g, round=0).members == [peer(0), peer(1), peer(3)]
+    assert [e["event"] for e in offenses.access.events].count("offense") == 1
+
+
 def test_peers_that_caught_the_same_offender_agree_on_the_new_group_id():
     a, b = grouping.Offenses(Access()), grouping.Offenses(Access())
     for o in (a, b):
