@@ -100,11 +100,15 @@ def outcome(run: dict) -> dict:
     attacker_ids = {p["peer_id"] for p in summary["peers"] if "hostile" in p}
     committed = [[r for r in p["rounds"] if r["committed"]] for p in honest]
     seq_len = summary["config"]["data"]["seq_len"] if run["summary"] else 1
-    rounds = min((len(c) for c in committed), default=0)
+    # rounds committed by the peers there from the start (a joiner cannot commit the rounds before it came)
+    rounds = min((len(c) for p, c in zip(honest, committed) if p.get("name") != JOINER), default=0)
     # the honest peers' own samples (inner steps x batch) per committed round, summed over the honest peers
     samples = [sum(sum(round(r["tokens_per_s"] * r["compute_s"] / seq_len) for r in c) / len(c)
                    for c in committed if c)] if rounds else []
     losses = [p["eval_loss"][-1] for p in honest if p["eval_loss"] and p["eval_loss"][-1] is not None]
+    honest_ids = {p["peer_id"] for p in honest}
+    honest_banned = sorted({e["peer_id"] for e in summary["events"] if e["event"] == "banned"
+                            and e.get("peer_id") in honest_ids})
     caught = sorted({f"{e['event']}: {e.get('what', '')}" for e in summary["events"] if e.get("peer_id") in attacker_ids
                      and e["event"] in ("offense", "banned", "ignored_claim", "streams", "unproven")})
     if run.get("joiner") is not None:
@@ -118,7 +122,8 @@ def outcome(run: dict) -> dict:
             "rounds": rounds,
             "one_hash": len({p["final_global_sha256"] for p in honest}) == 1 and bool(honest),
             "samples_per_round": statistics.mean(samples) if samples else 0.0,
-            "eval_loss": statistics.mean(losses) if losses else None, "caught": caught}
+            "eval_loss": statistics.mean(losses) if losses else None, "caught": caught,
+            "honest_banned": honest_banned}
 
 
 def run(quick: bool = False, rerun: bool = True) -> dict:
@@ -137,7 +142,7 @@ def run(quick: bool = False, rerun: bool = True) -> dict:
     base = outcome(swarm("none", None))
     rows, results = [], {"none": base}
     rows.append(["none", f"{base['rounds']}/4", base["one_hash"], f"{base['samples_per_round']:.0f} (100%)",
-                 f"{base['eval_loss']:.4f}" if base["eval_loss"] else "-", "-", "-"])
+                 f"{base['eval_loss']:.4f}" if base["eval_loss"] else "-", "-", len(base["honest_banned"]), "-"])
     for attack, (kind, extra) in rows_to_run.items():
         got = outcome(swarm(attack, kind, extra))
         results[attack] = got
@@ -145,9 +150,11 @@ def run(quick: bool = False, rerun: bool = True) -> dict:
         loss = got["eval_loss"]
         delta = f"{100 * (loss / base['eval_loss'] - 1):+.1f}%" if loss and base["eval_loss"] else "-"
         rows.append([attack, f"{got['rounds']}/4", got["one_hash"], f"{got['samples_per_round']:.0f} ({share:.0%})",
-                     f"{loss:.4f}" if loss else "-", delta, "; ".join(got["caught"])[:240] or ATTACKS[kind]])
+                     f"{loss:.4f}" if loss else "-", delta, len(got["honest_banned"]),
+                     "; ".join(got["caught"])[:240] or ATTACKS[kind]])
     table = md_table(["attack (peer 3 of 4)", "honest rounds committed", "one hash", "samples / round",
-                      "eval loss", "vs unattacked", "what caught it (honest peers' events)"], rows)
+                      "eval loss", "vs unattacked", "honest peers banned", "what caught it (honest peers' events)"],
+                     rows)
     extras = "; ".join(f"{kind}: {' '.join(args)}" for kind, args in EXTRA.items())
     d = SwarmConfig()  # the shipped defaults the table is measured with
     note = (f"\n\n`swarm local --config configs/tiny.yaml --peers {PEERS} {' '.join(RUN)} --hostile KIND@{ATTACKER}`; "
