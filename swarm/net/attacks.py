@@ -14,6 +14,8 @@ ATTACKS = {
     "weight": "claims 1e18 samples (the most a strict int carries) in matchmaking and as its weight "
               "(swarm.max_weight_share)",
     "bad-part": "returns a wrong average for the part it owns (swarm.verify_parts)",
+    "audit-lie": "answers its groupmates' audits with other bytes than it sent the owner (allreduce/evidence.py: "
+                 "its own signature over what it sent names it)",
     "frame": "leads matchmaking and hands its followers forged metas of their groupmates, malformed (signedmeta: "
              "every member signs its own meta; the followers charge the leader, never each other)",
     "lying-owner": "sends one member other bytes of its part's average than the others (allreduce/agree.py: "
@@ -23,7 +25,7 @@ ATTACKS = {
     "stall-token": "puts another token in the matchmaking barrier than its meta says (the barrier decides only "
                    "a round's first attempt; then the all-reduce's HELLOs do)",
     "stall-silent": "pushes one chunk of each part, then holds its streams open, silent (each owner names it: "
-                    "SEEN, left out for the round)",
+                    "SEEN, left out for the averaging attempt)",
     "garbage-meta": "sends matchmaking metadata that does not fit (matchmaking.GroupMeta, then a ban)",
     "poison-state": "serves a state with the right shapes and wrong values under the committed hash (the "
                     "newcomer hashes what it downloads)",

@@ -143,6 +143,11 @@ class Attacker(Hooks):
             return values * 1e6
         return values
 
+    def audited(self, payload: bytes) -> bytes:
+        if "audit-lie" not in self.kinds or not payload:
+            return payload
+        return bytes([payload[0] ^ 0xFF]) + bytes(payload[1:])
+
     def average(self, values: torch.Tensor, chunk: int) -> torch.Tensor:
         return values + 1.0 if "bad-part" in self.kinds else values
 

@@ -178,3 +178,37 @@ def test_a_member_that_goes_silent_mid_part_is_named_by_every_owner(dhts):
         assert isinstance(r, AllReduceFailed) and r.culprit == members[2], results
         assert r.blame in (SEEN, TOLD), results
     assert any(r.blame == SEEN for r in results[:2]), results
+
+
+@pytest.mark.timeout(40)
+def test_a_member_answering_audits_with_other_bytes_is_named_by_its_own_signature(dhts):
+    """Member 2 pushes honest chunks but answers every audit with one byte flipped. Each auditor's check finds
+    its bytes and the owner's digest apart; the owner's evidence (member 2's signature over what it pushed)
+    names member 2, never the owner (before: the round failed naming nobody)."""
+    class LiesInAudits(Hooks):
+        def audited(self, payload):
+            return bytes([payload[0] ^ 0xFF]) + bytes(payload[1:])
+    vectors = [torch.randn(3000) for _ in range(3)]
+    members, results = run_group(dhts, vectors, [1.0, 1.0, 1.0], rule=Rule(verify=True), stall=5.0,
+                                 hooks={2: {"hooks": LiesInAudits()}})
+    assert all(isinstance(r, AllReduceFailed) for r in results), results
+    for r in results[:2]:
+        assert r.culprit == members[2] and r.blame == PROOF, results
+        assert "answered our audit of chunk 0 with other bytes than it signed" in str(r), results
+
+
+@pytest.mark.timeout(40)
+def test_an_owner_committing_a_digest_a_member_did_not_sign_is_named(dhts):
+    """Owner 0 commits a false digest of member 1's contribution to every chunk (the prefix of its results):
+    member 2's audit finds member 1's bytes and that digest apart, and member 1's signature names the owner."""
+    class FramesMember1(Hooks):
+        def result(self, group, i, k, payload):
+            false = bytes(16 * [0xAB])
+            return payload[:16] + false + payload[32:]
+    vectors = [torch.randn(3000) for _ in range(3)]
+    members, results = run_group(dhts, vectors, [1.0, 1.0, 1.0], rule=Rule(verify=True), stall=5.0,
+                                 hooks={0: {"hooks": FramesMember1()}})
+    assert all(isinstance(r, AllReduceFailed) for r in results), results
+    assert results[2].culprit == members[0] and results[2].blame == PROOF, results
+    assert f"owner {members[0]} committed a digest of {members[1]}'s chunk 0" in str(results[2]), results
+    assert results[1].culprit == members[0], results  # its own contribution misreported: it sees that itself

@@ -45,13 +45,18 @@ def signed_bytes(group_id: bytes, part: int, digest: bytes) -> bytes:
     return DOMAIN + group_id + struct.pack("<I", part) + digest
 
 
-def verifies(key: Optional[bytes], group_id: bytes, part: int, digest: object, sig: object) -> bool:
-    if not (isinstance(key, bytes) and isinstance(digest, bytes) and isinstance(sig, bytes)):
+def signature_verifies(key: Optional[bytes], message: bytes, sig: object) -> bool:
+    """Whether `sig` is the signature of `message` by the RSA public key `key` (False for anything malformed)."""
+    if not (isinstance(key, bytes) and isinstance(sig, bytes)):
         return False
     try:
-        return RSAPublicKey.from_bytes(key).verify(signed_bytes(group_id, part, digest), sig)
+        return RSAPublicKey.from_bytes(key).verify(message, sig)
     except (ValueError, TypeError):
         return False
+
+
+def verifies(key: Optional[bytes], group_id: bytes, part: int, digest: object, sig: object) -> bool:
+    return isinstance(digest, bytes) and signature_verifies(key, signed_bytes(group_id, part, digest), sig)
 
 
 def digest_frame(digest: bytes, sig: bytes) -> bytes:
@@ -105,8 +110,9 @@ def disagreement(group: GroupState) -> Optional[AllReduceFailed]:
 
 def wire_bytes(group_size: int) -> int:
     """The most one member sends, and receives, for the agreement: a DIGEST to (from) every other member, a DONE
-    of n digests from (to) every other member, an answer to (from) each, with frame headers."""
-    return (group_size - 1) * (3 * 5 + ENTRY_BYTES + 64 + group_size * ENTRY_BYTES)
+    of n digests from (to) every other member, an answer to (from) each, and with audits its signature over what
+    it pushed each owner (evidence.py), with frame headers."""
+    return (group_size - 1) * (4 * 5 + 2 * ENTRY_BYTES + 64 + group_size * ENTRY_BYTES)
 
 
 def sign(identity: Identity, group: GroupState, digest: bytes) -> bytes:

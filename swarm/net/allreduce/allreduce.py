@@ -42,7 +42,7 @@ import torch
 from hivemind.p2p import P2P, PeerID
 
 from swarm.net.access import Access
-from swarm.net.allreduce import agree, audit
+from swarm.net.allreduce import agree, audit, evidence
 from swarm.net.allreduce.groupstate import (
     PROOF,
     SEEN,
@@ -212,6 +212,9 @@ class AllReduce(GroupSlots):
         await group.notify()
 
     async def _push(self, group: GroupState, j: int, channel: Channel) -> None:
+        signs = self.rule.verify and group.agreeing  # evidence.py: what we sent, signed, settles an audit
+        pushed = group.pushed.setdefault(j, [])
+
         async def push(count: Optional[int]) -> None:  # the first `count` chunks of part j (None: all)
             chunks = group.chunks[j][:count]
             ahead = self.cpu(self._encode_mine, group, chunks[0]) if chunks else None
@@ -219,7 +222,13 @@ class AllReduce(GroupSlots):
                 payload = await ahead
                 ahead = self.cpu(self._encode_mine, group, chunks[k + 1]) if k + 1 < len(chunks) else None
                 await channel.send(Kind.CHUNK, payload)
+                if signs:
+                    pushed.append(audit.digest(payload))
         await self.hooks.push(group, j, channel, push)
+        if signs and len(pushed) == len(group.chunks[j]):
+            digests = b"".join(pushed)
+            await channel.send(Kind.DIGEST, evidence.frame(digests, await self.cpu(evidence.sign, self.identity,
+                                                                                     group, j, digests)))
         if self.on_pushed is not None:
             self.on_pushed()
 
@@ -343,6 +352,7 @@ class AllReduce(GroupSlots):
                 payload = await channel.recv_kind(Kind.CHUNK, codec.wire_bytes(chunk.numel))
                 if self.rule.verify:
                     group.digests.setdefault(k, [None] * len(group.members))[i] = audit.digest(payload)
+                    group.received.setdefault(i, []).append(group.digests[k][i])
                 values = await self.cpu(codec.decode, payload, chunk.numel)
                 if not all_finite(values):
                     raise CodecError("part contains NaN or Inf")
@@ -360,6 +370,9 @@ class AllReduce(GroupSlots):
             group.pending.setdefault(k, [None] * len(group.members))[i] = values
             await group.notify()
         try:  # room for a FAIL's reason or, agreeing, for its digests; more than its part is refused
+            if self.rule.verify and group.agreeing:  # its signature over what it sent us (evidence.py)
+                evidence.check(group, i, await channel.recv_kind(Kind.DIGEST, agree.ENTRY_BYTES))
+                await group.notify()
             done = await channel.recv_kind(Kind.DONE, agree.done_bytes(group) if group.agreeing else 512)
             if group.agreeing:
                 await agree.take_done(group, i, done)

@@ -49,6 +49,7 @@ from typing import Callable, Optional
 
 from hivemind.p2p import PeerID
 
+from swarm.net.allreduce import evidence
 from swarm.net.allreduce.groupstate import TOLD, AllReduceFailed, GroupState
 from swarm.net.allreduce.layout import gather
 from swarm.net.allreduce.robust import reduce_chunk
@@ -152,7 +153,8 @@ async def offer(slots: GroupSlots, group: GroupState, m: int) -> None:
                         and isinstance(k, int) and 0 <= k < len(group.chunks[j])):
                     raise ProtocolError(f"{channel.peer} asked for chunk {k!r} of part {j!r} for its audit")
                 asked.add(j)
-                await channel.send(Kind.CHUNK, await slots.cpu(encode_pure, group, group.chunks[j][k]))
+                payload = await slots.cpu(encode_pure, group, group.chunks[j][k])
+                await channel.send(Kind.CHUNK, slots.hooks.audited(payload))
         finally:
             channel.close()
     except WireError as e:
@@ -188,6 +190,8 @@ async def check_part(slots: GroupSlots, group: GroupState, j: int) -> None:
         if digest(payload) != committed[i * DIGEST:(i + 1) * DIGEST]:
             if i == group.me:
                 raise AllReduceFailed(f"part {j}: owner {owner} misreported our contribution to chunk {k}", owner)
+            if group.agreeing:  # the member's signature over what it sent tells who lies (evidence.py)
+                raise await evidence.settle(slots, group, i, j, k, committed[i * DIGEST:(i + 1) * DIGEST])
             raise AllReduceFailed(f"part {j}: owner {owner} and {group.members[i]} disagree on what "
                                   f"{group.members[i]} sent for chunk {k} (one of them lies)")
 
@@ -248,6 +252,10 @@ async def serve_audit(slots: GroupSlots, channel: Channel) -> None:
     group = slots.held(group_id, failed=True)
     if hello.get("offer") is True:
         return await take_offer(group, channel)
+    if "evidence" in hello:
+        if group is None or channel.peer not in group.members or hello.get("part") != group.me:
+            return await channel.fail("no such group or part here")
+        return await evidence.serve(group, channel, hello["evidence"], slots.stall)
     j, k = hello.get("part"), hello.get("chunk")
     valid = (group is not None and group.rule.verify and channel.peer in group.members and isinstance(j, int)
              and 0 <= j < len(group.members) and isinstance(k, int) and 0 <= k < len(group.chunks[j])
@@ -256,4 +264,4 @@ async def serve_audit(slots: GroupSlots, channel: Channel) -> None:
         return await channel.fail("no such group, part or chunk here, or asked already")
     group.audits_served.add((channel.peer, j))
     channel.count_into(group.traffic)
-    await channel.send(Kind.CHUNK, await slots.cpu(encode_pure, group, group.chunks[j][k]))
+    await channel.send(Kind.CHUNK, slots.hooks.audited(await slots.cpu(encode_pure, group, group.chunks[j][k])))

@@ -32,7 +32,8 @@ PROOF, SEEN, TOLD = "proof", "seen", "told"
   BAN_AFTER);
 - SEEN: we saw it go silent, or leave, in the middle of its part (an honest peer may die or lose its link);
 - TOLD: a groupmate's FAIL named it (the groupmate saw it, or was told), which a liar could do to anyone.
-SEEN and TOLD only keep it out of our groups for the rest of the round (grouping.Offenses), never an offense.
+SEEN and TOLD only keep it out of our groups for the rest of the averaging attempt (grouping.Offenses), never an
+offense.
 Every FAIL we send names our failure's culprit, whatever we know it by, so that every member of a group that
 fails because of one peer names that peer, whichever message reaches it first."""
 
@@ -119,6 +120,12 @@ class GroupState:
         self.audits_served: set[tuple[PeerID, int]] = set()  # (groupmate, part) whose contribution we re-sent
         # a client's contributions for our audits come on a stream it opens (audit.offer): by client index
         self.offers: dict[int, asyncio.Future] = {}
+        # who lied when an audit disagrees (evidence.py): digests of the chunks we pushed, by part; as an owner,
+        # those of what each member pushed us, and its signature over them once its DIGEST came
+        self.pushed: dict[int, list[bytes]] = {}
+        self.received: dict[int, list[bytes]] = {}
+        self.evidence: dict[int, tuple[bytes, bytes]] = {}
+        self.evidence_served: set[tuple[PeerID, int]] = set()  # (auditor, member) whose evidence we sent
         self.ends_at: Optional[float] = None  # loop time of the run's deadline (None: not started)
         # one result per part (agree.py), with every member's public key: off without them
         self.keys = list(keys) if keys is not None else None

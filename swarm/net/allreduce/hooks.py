@@ -45,6 +45,10 @@ class AllReduceHooks:
         """The encoded average of our part's chunk k that we send member i (the same bytes to every member)."""
         return payload
 
+    def audited(self, payload: bytes) -> bytes:
+        """Our contribution to a chunk, encoded again, as we answer a groupmate's audit of it (audit.py)."""
+        return payload
+
     def average(self, values: torch.Tensor, chunk: int) -> torch.Tensor:
         """Chunk `chunk` (its index in our part) of the average of the part we own, before it is encoded and
         sent."""
