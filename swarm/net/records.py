@@ -47,6 +47,7 @@ class Records:
         self._stats = PeerStats()  # the last ones the trainer gave, in every record until it gives others
         self._last_progress: Optional[tuple] = None  # publish_progress arguments, re-sent by the heartbeat
         self._published: Optional[schema.ProgressRecord] = None  # our last record, as we made it
+        self._seen: dict[str, schema.ProgressRecord] = {}  # the newest record of each peer read, while live
         self._ready_seen: tuple[int, float, bool] = (-1, 0.0, False)  # others_ready: (outer step, when, answer)
         self._dht_lock = threading.Lock()  # the trainer's thread and the heartbeat share the DHT's pipe
         self._stopping = threading.Event()
@@ -228,10 +229,19 @@ class Records:
         return self.read_peers() or []
 
     def read_peers(self) -> Optional[list[schema.ProgressRecord]]:
-        """`peers()`, or None if the read failed."""
+        """`peers()`, or None if the read failed. A live peer's record that a read misses (the DHT node that
+        answered lacks it: a store that did not reach every replica) is taken from an earlier read, as long as
+        it is within the live window: a record that vanishes before its window ends is a failed read, not a
+        departure (else the peers that remain look alone, and a peer that averaged once commits its own
+        pseudo-gradient alone beside them)."""
         records = self.read(schema.progress_key(self.cfg.run_id), schema.ProgressRecord)
         if records is None:
             return None
+        now, window = get_dht_time(), live_window(self.cfg)
+        for peer, record in self._seen.items():
+            if now - record.time <= window and (peer not in records or records[peer].time < record.time):
+                records[peer] = record
+        self._seen = {peer: record for peer, record in records.items() if now - record.time <= window}
         if self.cfg.identity_work:
             self.access.prove({*records, self.peer_id})
         if self.peer_id in records and self._published is not None:

@@ -83,3 +83,28 @@ def test_a_state_is_served_once_its_commit_record_is_confirmed_later():
     assert records.serving is None and records.unconfirmed == 1
     dht.answer()
     assert records.serving is snapshot and records.unconfirmed == 0
+
+
+def test_a_live_peer_s_record_that_one_read_misses_is_still_there():
+    """A read answered by a DHT node that lacks a peer's record (its store missed that replica) must not make
+    a live peer vanish; once its record is past the live window it goes."""
+    from hivemind.utils import get_dht_time
+
+    from swarm.config import live_window
+
+    cfg = SwarmConfig(request_timeout=600.0, progress_interval=600.0)
+    window = live_window(cfg)
+
+    def progress(peer: str, age: float) -> schema.ProgressRecord:
+        return schema.ProgressRecord(peer_id=peer, name=peer, round=2, inner_step=0, samples=0, samples_per_s=0.0,
+                                     time=get_dht_time() - age, serves_state=True)
+    records = _records(_SilentDHT())
+    answers = iter([{"a": progress("a", 1.0), "b": progress("b", 1.0), "old": progress("old", window - 0.2)},
+                    {"a": progress("a", 0.5)},
+                    {"a": progress("a", 0.2)}])
+    records.read = lambda key, model: next(answers)
+    assert sorted(r.peer_id for r in records.peers()) == ["a", "b", "old"]
+    second = {r.peer_id: r for r in records.peers()}
+    assert sorted(second) == ["a", "b", "old"] and second["a"].time > second["b"].time  # the newer of a's
+    threading.Event().wait(0.3)  # old's record ages out of the window: remembered no longer
+    assert sorted(r.peer_id for r in records.peers()) == ["a", "b"]
