@@ -5,11 +5,11 @@
   dialed (not even to say that we leave a group).
 - `agreed_chunk`: the chunk size all members cut parts with, whatever their own time-outs.
 - `Offenses`: groupmates that made an attempt fail (`AllReduceFailed.culprit`). One is left out of this
-  peer's later groups in the same round; one caught sending what no honest peer sends (`blame` PROOF:
-  malformed or non-finite data, a weight other than announced, a wrong average found by an audit) commits
-  an offense, and one caught `access.BAN_AFTER` times is banned for the run (access.py keeps the counts, the
-  bans and the events; a groupmate's word, TOLD, never bans: a liar could name anyone), and so is every peer
-  `Access` refuses (a stranger to a private swarm's allowlist).
+  peer's later groups in the same round (proven) or averaging attempt (unproven); one caught sending what no
+  honest peer sends (`blame` PROOF: malformed or non-finite data, a weight other than announced, a wrong
+  average found by an audit) commits an offense, and one caught `access.BAN_AFTER` times is banned for the
+  run (access.py keeps the counts, the bans and the events; a groupmate's word, TOLD, never bans: a liar
+  could name anyone), and so is every peer `Access` refuses (a stranger to a private swarm's allowlist).
   Matchmaking cannot refuse a peer (hivemind forms the group), so `exclude` drops the offenders from a
   formed group and gives the rest a new group id (the old id plus who was dropped): groupmates that caught
   the same offender (each owner sees a bad contributor itself) run the new group together at once; one
@@ -85,9 +85,10 @@ class Offenses:
     """Who sits out this peer's groups. A proven offender (we saw it send what no honest peer sends) sits out
     the rest of the round, and `access` counts the offense. An unproven culprit (SEEN: it went silent, as an
     honest peer on a bad link does; TOLD: a groupmate's word, which a liar gives against anyone) sits out the
-    rest of this averaging attempt only: `begin` takes it back. Left out for the round, honest peers that blamed
-    each other for a trickler's stalls stayed apart, and since a discarded round is retried at the same round
-    the leave-outs never lapsed ("only offenders in our group; retrying" for ever)."""
+    rest of this averaging attempt only (`begin` takes it back), and not even that when it is the only one left
+    to average with (`exclude`). Left out for the round, honest peers that blamed each other for a trickler's
+    stalls stayed apart, and since a discarded round is retried at the same round the leave-outs never lapsed
+    ("only offenders in our group; retrying" for ever); left out for the attempt, they lost the round."""
 
     def __init__(self, access: Access):
         self.access = access
@@ -118,9 +119,16 @@ class Offenses:
     def exclude(self, group: Group, round: int) -> Group:
         """`group` without the offenders, under a new id if any was dropped; NoGroup if only we remain."""
         out = [i for i, p in enumerate(group.members) if self.excluded(p, round)]
+        keep = [i for i in range(len(group.members)) if i not in out]
+        back = [i for i in out if self.access.seats(group.members[i]) and str(group.members[i]) not in self.proven]
+        if len(keep) < 2 and back:  # nobody else is here: an unproven culprit may only have been framed
+            logger.info(f"round {round + 1}: taking back {[str(group.members[i]) for i in back]}: left out on "
+                        f"unproven grounds, and nobody else is in our group")
+            self.unproven -= {str(group.members[i]) for i in back}
+            out = [i for i in out if i not in back]
+            keep = sorted([*keep, *back])
         if not out:
             return group
-        keep = [i for i in range(len(group.members)) if i not in out]
         dropped = [group.members[i] for i in out]
         logger.warning(f"round {round + 1}: leaving out offenders {[str(p) for p in dropped]}")
         if len(keep) < 2:

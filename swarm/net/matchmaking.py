@@ -114,8 +114,8 @@ class GroupMeta(BaseModel):
 class NoGroup(Exception):
     """Matchmaking ended without a group; `alone` is True when nobody else showed up. `left`: a group this
     peer leaves although its groupmates may hold it (tell them, or they wait for us until they stall).
-    `culprits`: the peers that made it fail, each already charged an offense here (the caller leaves them out
-    for the rest of the round)."""
+    `culprits`: the peers that made it fail, noted here (the caller leaves them out of its groups for the rest
+    of the averaging attempt)."""
 
     def __init__(self, reason: str, alone: bool, left: Optional[Group] = None, culprits: tuple[str, ...] = ()):
         super().__init__(reason)

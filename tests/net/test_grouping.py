@@ -44,6 +44,20 @@ def test_an_unproven_culprit_is_taken_back_at_the_next_attempt_a_proven_one_is_n
     assert [e["event"] for e in offenses.access.events].count("offense") == 1
 
 
+def test_unproven_culprits_are_taken_back_when_nobody_else_is_left():
+    """The trickle attack: the honest peers blamed each other for its stalls (unproven) and the trickler is
+    banned; left out of each other's groups, each stayed alone for the rest of the attempt (60 s, the round
+    lost). Taken back when they are all that is left; a proven offender never is."""
+    offenses = grouping.Offenses(Access())
+    offenses.begin(0)
+    offenses.record(peer(1), round=0, reason="nothing arrived for 10 s", proven=False)
+    offenses.record(peer(2), round=0, reason="NaN")
+    assert offenses.exclude(group(2), round=0).members == [peer(0), peer(1)]  # peer 1 back
+    assert offenses.exclude(group(4), round=0).members == [peer(0), peer(1), peer(3)]  # still out: peer 2
+    offenses.record(peer(1), round=0, reason="went silent again", proven=False)
+    assert offenses.exclude(group(4), round=0).members == [peer(0), peer(3)]  # others to average with
+
+
 def test_peers_that_caught_the_same_offender_agree_on_the_new_group_id():
     a, b = grouping.Offenses(Access()), grouping.Offenses(Access())
     for o in (a, b):
