@@ -106,9 +106,10 @@ def outcome(run: dict) -> dict:
     samples = [sum(sum(round(r["tokens_per_s"] * r["compute_s"] / seq_len) for r in c) / len(c)
                    for c in committed if c)] if rounds else []
     losses = [p["eval_loss"][-1] for p in honest if p["eval_loss"] and p["eval_loss"][-1] is not None]
-    honest_ids = {p["peer_id"] for p in honest}
+    # honest peers that an honest peer banned (the attacker's own bans are its business)
+    honest_ids, honest_names = {p["peer_id"] for p in honest}, {p["name"] for p in honest}
     honest_banned = sorted({e["peer_id"] for e in summary["events"] if e["event"] == "banned"
-                            and e.get("peer_id") in honest_ids})
+                            and e.get("peer_id") in honest_ids and e.get("peer") in honest_names})
     caught = sorted({f"{e['event']}: {e.get('what', '')}" for e in summary["events"] if e.get("peer_id") in attacker_ids
                      and e["event"] in ("offense", "banned", "ignored_claim", "streams", "unproven")})
     if run.get("joiner") is not None:
