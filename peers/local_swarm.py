@@ -8,7 +8,9 @@ its peers did. Nothing outlives the launcher even if it is killed -9: the fork s
 kernel when the launcher dies and each child one when the server does (PR_SET_PDEATHSIG); a peer shuts its DHT down
 on it. Peers write `peer-i/status.json`, which this launcher renders as one live line per peer, and
 `peer-i/peer.json`, which it merges into `summary.json` and `loss.png`. A monitor (swarm/monitor/, a DHT client)
-runs in this launcher's process, shows its kills and joins among the events, and stops with the swarm.
+runs in this launcher's process, shows its kills and joins among the events, and stops with the swarm. The first
+peers all start round 1 together: each holds before it (faults.hold_round, `start-hold` in the run folder) until
+every one of them is there, so a peer that took seconds longer to start is in round 1's group all the same.
 """
 
 from __future__ import annotations
@@ -189,6 +191,20 @@ def check_plan(cfg: Config, n_peers: int, kills: list[str] = (), joins: list[int
     return attackers, kill_plan, sorted(joins)
 
 
+START_GATE_S = 120.0  # the start gate opens after this long whoever is there (a peer stuck before round 1, or
+                      # one whose --log-level error hides the warning the gate looks for)
+
+
+def _at_the_gate(first: list[Child]) -> bool:
+    """Whether each of the first peers holds before round 1 (its log's warning says so), already trains (it
+    resumed at a later round and so never holds) or has exited."""
+    def there(child: Child) -> bool:
+        log = child.out_dir / "log.txt"
+        return (child.proc.poll() is not None or (_read_json(child.out_dir / "status.json") or {}).get("state")
+                not in (None, "starting") or (log.exists() and "holding before round 1" in log.read_text()))
+    return all(there(child) for child in first)
+
+
 def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int, out_dir: Path,
               kills: list[str] = (), joins: list[int] = (), nproc: int | str = 1, hostile: list[str] = (),
               monitor: bool = True, monitor_port: Optional[int] = None, log_level: str = "info") -> Path:
@@ -242,9 +258,16 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int,
             peers.append(child)
             return child
 
+        # The start gate: the first peers hold before round 1 until every one of them is there (rounds of a tiny
+        # model end within a second, and a peer that started a few seconds late found the others rounds ahead)
+        gate = out_dir / "start-hold"
+        gated = not any(o.startswith(("--faults.hold", "faults.hold")) for o in overrides)
+        if gated:
+            gate.touch()
         for i in range(n_peers):
             k = kill_plan.get(i)
-            start_peer(i, *(["--faults.kill_round", str(k.round), "--faults.kill_phase", k.phase] if k else []),
+            start_peer(i, *(["--faults.hold_round", "1", "--faults.hold_file", str(gate)] if gated else []),
+                       *(["--faults.kill_round", str(k.round), "--faults.kill_phase", k.phase] if k else []),
                        *(["--faults.hostile", *attackers[i]] if i in attackers else []))
             if i in attackers:
                 event("hostile", peer=f"peer-{i}", attacks=attackers[i])
@@ -261,6 +284,8 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int,
 
         interactive, last_print, seen_dead = sys.stdout.isatty(), 0.0, set()
         while any(p.proc.poll() is None for p in peers if p.name not in held):
+            if gate.exists() and (_at_the_gate(peers[:n_peers]) or time.time() - start > START_GATE_S):
+                gate.unlink()
             statuses = [_read_json(p.out_dir / "status.json") or {} for p in peers]
             committed = max((s.get("round", 0) for s in statuses), default=0)
             for name, (hold, round_) in sorted(held.items(), key=lambda item: item[1][1]):

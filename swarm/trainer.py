@@ -323,13 +323,13 @@ class Trainer(TrainerState):
         faults = self.cfg.faults
         if faults.hold_round != round or not os.path.exists(faults.hold_file):
             return
-        log.warning("fault injection: holding before round %d while %s exists", round, faults.hold_file)
+        log.warning("holding before round %d while %s exists (faults.hold_round)", round, faults.hold_file)
         if round > 0:
             self.averager.publish_progress(self.diloco.outer_steps, self.step, self.samples[-1], 0.0,
                                            sha256=self.diloco.global_sha256())
         while os.path.exists(faults.hold_file):
             time.sleep(0.2)
-        log.info("fault injection: released before round %d", round)
+        log.info("released before round %d (faults.hold_round)", round)
 
     def _inject_faults(self, round: int, inner_step: int, stopping_early: bool = False) -> None:
         """`faults` config: sleep like a slow peer, SIGKILL this process or turn its local model NaN halfway

@@ -117,14 +117,22 @@ def test_a_peer_behind_a_nat_takes_part_and_ends_on_the_swarms_hash(tmp_path: Pa
             maddr = wait_for_line(boot_log, rf"/ip4/{nets.addr(0)}/tcp/\d+/p2p/\w+", boot)
             where = [(nets.ns(1), nets.addr(1), []), (nets.ns(2), nets.addr(2), []),
                      (home.ns, home.addr, ["--client-mode"])]
+            # every peer holds before round 1 until all three joined: rounds of 4 tiny inner steps end within a
+            # second, and a peer whose start took 12 s in a loaded suite found the other two at round 3
+            hold = out / "start-hold"
+            hold.touch()
             peers = []
             for i, (ns, addr, extra) in enumerate(where):
                 argv = ["-m", "swarm.cli", "peer", "--config", "configs/tiny.yaml", *SMALL, *extra,
                         "--initial-peers", maddr, "--name", f"peer-{i}", "--out", str(out / f"peer-{i}"),
                         "--data.shard", str(i), "--diloco.rounds", str(ROUNDS), "--diloco.inner_steps", "4",
-                        "--swarm.host_maddrs", f"/ip4/{addr}/tcp/0", "--swarm.target_group_size", "3"]
+                        "--swarm.host_maddrs", f"/ip4/{addr}/tcp/0", "--swarm.target_group_size", "3",
+                        "--faults.hold_round", "1", "--faults.hold_file", str(hold)]
                 peers.append(spawn(argv, out / f"peer-{i}" / "log.txt", prefix(ns)))
             procs += peers
+            for i, peer in enumerate(peers):
+                wait_for_line(out / f"peer-{i}" / "log.txt", "holding before round 1", peer, timeout=180)
+            hold.unlink()
             deadline = time.time() + 300
             while any(p.poll() is None for p in peers) and time.time() < deadline:
                 time.sleep(0.5)
