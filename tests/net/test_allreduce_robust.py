@@ -212,3 +212,16 @@ def test_an_owner_committing_a_digest_a_member_did_not_sign_is_named(dhts):
     assert results[2].culprit == members[0] and results[2].blame == PROOF, results
     assert f"owner {members[0]} committed a digest of {members[1]}'s chunk 0" in str(results[2]), results
     assert results[1].culprit == members[0], results  # its own contribution misreported: it sees that itself
+
+
+@pytest.mark.timeout(40)
+def test_an_owner_answering_the_audit_of_its_own_chunk_with_other_bytes_is_named(dhts):
+    """Two members: the only part member 1 audits is owner 0's, whose own contribution owner 0 re-sends with a
+    byte flipped: its digest and its answer are both its word, so it is named without evidence."""
+    class LiesInAudits(Hooks):
+        def audited(self, payload):
+            return bytes([payload[0] ^ 0xFF]) + bytes(payload[1:])
+    members, results = run_group(dhts[:2], [torch.randn(3000) for _ in range(2)], [1.0, 1.0], rule=Rule(verify=True),
+                                 stall=5.0, hooks={0: {"hooks": LiesInAudits()}})
+    assert isinstance(results[1], AllReduceFailed) and results[1].culprit == members[0], results
+    assert "answered our audit of its own chunk 0" in str(results[1]), results

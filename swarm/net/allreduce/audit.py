@@ -190,6 +190,9 @@ async def check_part(slots: GroupSlots, group: GroupState, j: int) -> None:
         if digest(payload) != committed[i * DIGEST:(i + 1) * DIGEST]:
             if i == group.me:
                 raise AllReduceFailed(f"part {j}: owner {owner} misreported our contribution to chunk {k}", owner)
+            if i == j:  # both sides of it are the owner's own word
+                raise AllReduceFailed(f"part {j}: owner {owner} answered our audit of its own chunk {k} with other "
+                                      f"bytes than it committed", owner)
             if group.agreeing:  # the member's signature over what it sent tells who lies (evidence.py)
                 raise await evidence.settle(slots, group, i, j, k, committed[i * DIGEST:(i + 1) * DIGEST])
             raise AllReduceFailed(f"part {j}: owner {owner} and {group.members[i]} disagree on what "
