@@ -140,8 +140,7 @@ def test_an_owner_lying_to_a_group_with_a_client_is_named_by_every_auditor():
         members, results = run_group(dhts, [torch.randn(3000) for _ in range(3)], [1.0, 1.0, 1.0], clients=(2,),
                                      rule=Rule(verify=True), stall=5.0,
                                      hooks={0: {"hooks": Lies()}, 2: {"start": _deaf, "stop": _deaf}})
-    assert all(isinstance(r, AllReduceFailed) for r in results), results
-    for r in results[1:]:
+    for r in results[1:]:  # the liar's own outcome is its business (it may finish before a FAIL reaches it)
         assert f"owner {members[0]} returned a wrong average" in str(r) and r.culprit == members[0], results
 
 
