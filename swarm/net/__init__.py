@@ -25,7 +25,8 @@ Where a peer stands
 
 Who it averages with
 - `matchmaking.py`: forming a group for an outer step (hivemind's averager, used only to agree on members).
-- `grouping.py`: who in that group this peer averages with (offenders out, the majority's base, clients).
+- `grouping.py`: who in that group this peer averages with (offenders out, the left-outs of most groupmates
+  adopted, the majority's base, clients).
 
 The all-reduce
 - `allreduce/`: the group's streamed butterfly all-reduce, bit-identical on every member, with its robust
@@ -35,4 +36,5 @@ The all-reduce
 State transfer
 - `statesync.py`: a newcomer (or a peer behind) downloads a donor's state, tensor by tensor, checked against
   the hash the swarm committed.
+- `linger.py`: after the last round, serving the state while live peers need it; the end of a run agrees.
 """

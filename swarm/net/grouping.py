@@ -11,20 +11,28 @@
   run (access.py keeps the counts, the bans and the events; a groupmate's word, TOLD, never bans: a liar
   could name anyone), and so is every peer `Access` refuses (a stranger to a private swarm's allowlist).
   Matchmaking cannot refuse a peer (hivemind forms the group), so `exclude` drops the offenders from a
-  formed group and gives the rest a new group id (the old id plus who was dropped): groupmates that caught
-  the same offender (each owner sees a bad contributor itself) run the new group together at once; one
-  that disagrees runs another id and stalls out within `stall_timeout`, then retries.
+  formed group and gives the rest a new group id (`without`: the old id plus who was dropped), and tells the
+  groupmates it leaves the old group, naming whom it drops. Groupmates that caught the same offender (each
+  owner sees a bad contributor itself) run the new group together at once.
+- `adopted`: a groupmate that did not catch the offender itself (only told of it by the owner that did, which it
+  cannot check) runs the new group too when more than half of the groupmates outside the dropped set left the
+  old group naming that set: so k peers acting together, k below half of the group, cannot drop an honest peer
+  from a group of others. Otherwise it declines the new group at once (its members retry, instead of waiting
+  out `stall_timeout` for it). Without this, the groupmates that had proof ran the new group, the one that was
+  only told ran the old one, and each side waited for the other until it stalled, then blamed it: an honest
+  peer left out and behind by the end of the round (the hostile table's 3-of-4-rounds rows).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
+from typing import Optional
 
 from hivemind.p2p import PeerID
 
 from swarm.net.access import Access
 from swarm.net.allreduce import AllReduceFailed
+from swarm.net.allreduce.groupstate import subgroup_id
 from swarm.net.budget import CHUNK_ELEMENTS
 from swarm.net.matchmaking import Group, NoGroup
 
@@ -129,11 +137,31 @@ class Offenses:
             keep = sorted([*keep, *back])
         if not out:
             return group
-        dropped = [group.members[i] for i in out]
-        logger.warning(f"round {round + 1}: leaving out offenders {[str(p) for p in dropped]}")
+        dropped = [str(group.members[i]) for i in out]
+        logger.warning(f"round {round + 1}: leaving out offenders {dropped}")
         if len(keep) < 2:
-            raise NoGroup(f"only offenders {[str(p) for p in dropped]} in our group", alone=False, left=group)
-        h = hashlib.sha256(group.group_id)
-        for peer in dropped:
-            h.update(peer.to_bytes())
-        return Group(h.digest()[:16], [group.members[i] for i in keep], [group.metas[i] for i in keep])
+            raise NoGroup(f"only offenders {dropped} in our group", alone=False, left=group)
+        return without(group, frozenset(dropped))
+
+
+def without(group: Group, dropped: frozenset[str]) -> Group:
+    """`group` less the members in `dropped` (peer ids), under the id every member that drops them computes: the
+    old id, then the dropped members' ids in group order."""
+    keep = [i for i, p in enumerate(group.members) if str(p) not in dropped]
+    return Group(subgroup_id(group.group_id, group.members, dropped), [group.members[i] for i in keep],
+                 [group.metas[i] for i in keep])
+
+
+def adopted(group: Group, me: str, left_outs: dict[str, frozenset[str]]) -> Optional[frozenset[str]]:
+    """The set of members to drop from `group` that we adopt from the groupmates that left it (`left_outs`: member
+    -> the members it named as left out), or None. A set is adopted when more than half of the members outside it,
+    us apart, named exactly it; never a set holding us (module docstring)."""
+    members = {str(p) for p in group.members}
+    for dropped in sorted(set(left_outs.values()), key=sorted):
+        if not dropped or me in dropped or not dropped < members:
+            continue
+        electorate = members - dropped - {me}
+        supporters = {p for p, named in left_outs.items() if named == dropped and p in electorate}
+        if 2 * len(supporters) > len(electorate):
+            return dropped
+    return None

@@ -17,7 +17,7 @@ calls in with bounded waits:
 - `fetch_state()`: take the swarm's state from the donors the policy names, verified against the hash the
   swarm committed; SwarmError if the swarm is ahead and no donor can give it within the live window plus
   `stall_timeout`.
-- `finish()`: after the last outer step, serve the state while live peers are behind (`cfg.linger_time`).
+- `finish()`: after the last outer step, serve the state while live peers are behind (linger.py).
 
 Methods take the trainer's `outer_step` (its count of committed outer steps, swarm/averaging.py); records,
 commits, state offers and downloads follow each one.
@@ -54,9 +54,10 @@ from swarm.net.allreduce import PROOF, AllReduce, AllReduceFailed, Contribution,
 from swarm.net.budget import chunk_elements, round_deadline
 from swarm.net.codec import get_codec
 from swarm.net.dht import allowed_peers
-from swarm.net.grouping import Offenses, OtherBase, agreed_chunk, clients, dialable, on_majority_base
+from swarm.net.grouping import Offenses, OtherBase, adopted, agreed_chunk, clients, dialable, on_majority_base, without
 from swarm.net.hostile import Reach, hooks_for
 from swarm.net.identity import Identity
+from swarm.net.linger import linger
 from swarm.net.matchmaking import Group, Matchmaker, NoGroup
 from swarm.net.outcome import Averaging
 from swarm.net.records import Records
@@ -164,8 +165,10 @@ class SwarmAverager(Averager):
             group = self._form_group(job, position, left)
             if isinstance(group, RoundOutcome):
                 return group
-            if group is not None and (traffic := self._reduce(job, group)) is not None:
-                return self._decide(job, group, traffic)
+            while group is not None:
+                if (traffic := self._reduce(job, group)) is not None:
+                    return self._decide(job, group, traffic)
+                group = self._regroup(group)
         return job.discarded()
 
     def _begin(self, outer_step: int, pseudo_grad: PseudoGradient, samples: int, out: Sequence[torch.Tensor],
@@ -204,7 +207,8 @@ class SwarmAverager(Averager):
                 job.outer_step, self.hooks.meta(job.meta), timeout=min(left, 2 * self.cfg.matchmaking_time),
                 expected=position.expected_group if self.averaged_once else None)
             if (kept := self.offenses.exclude(group, job.outer_step)) is not group:  # first: their meta is unread
-                self._abandon(group, "offenders left out")  # whoever runs it
+                dropped = {str(p) for p in group.members} - {str(p) for p in kept.members}
+                self._abandon(group, "offenders left out", dropped)  # whoever runs it; `_regroup` on their side
                 group = kept
             return on_majority_base(group, job.base)
         except OtherBase as e:
@@ -252,9 +256,23 @@ class SwarmAverager(Averager):
         self.averaged_once = True
         return job.averaged(group, *done)
 
-    def _abandon(self, group: Group, reason: str) -> None:
-        """Tell the groupmates we can dial that we leave `group`, so that they do not wait for us."""
-        asyncio.run_coroutine_threadsafe(self.allreduce.abandon(group.group_id, dialable(group), reason), self._loop)
+    def _regroup(self, group: Group) -> Optional[Group]:
+        """After `group` failed: the group without the members that most groupmates left out of it (they run it
+        already: grouping.adopted), to run at once; None: back to matchmaking (AllReduce.regroup declines the
+        groups without others that groupmates asked us to run, so that they do not wait for us)."""
+        dropped = self.call(self.allreduce.regroup(group.group_id, lambda named: adopted(group, self.peer_id, named),
+                                                   self.cfg.request_timeout),
+                            self.cfg.request_timeout + self.cfg.stall_timeout)
+        if dropped is None:
+            return None
+        logger.info(f"averaging without {sorted(dropped)}, as most groupmates that stay do")
+        return without(group, dropped)
+
+    def _abandon(self, group: Group, reason: str, dropped: Sequence[str] = ()) -> None:
+        """Tell the groupmates we can dial that we leave `group`, so that they do not wait for us; `dropped`: the
+        members we left out of it, in the group we run instead (grouping.without)."""
+        asyncio.run_coroutine_threadsafe(self.allreduce.abandon(group.group_id, dialable(group), reason,
+                                                                sorted(dropped)), self._loop)
 
     # ---- state ----------------------------------------------------------------------------------------
 
@@ -326,47 +344,10 @@ class SwarmAverager(Averager):
     # ---- shutdown -------------------------------------------------------------------------------------
 
     def finish(self, outer_step: int, sha256: str) -> Optional[list[str]]:
-        """Serve the final state while live peers need it, at most `cfg.linger_time` s; the donors of the swarm's
-        state where it committed another hash than `sha256` at our last outer step (the end of a run agrees).
-
-        Peers need it while they are at earlier outer steps (a failed all-reduce, a slow machine: they learn
-        it only after their next matchmaking, and with every peer ahead gone they would find no donor), or at
-        ours on a hash the quorum rule (policy.py) outvotes: a last round that ended split between two groups,
-        whose losing side takes the winner's state. Peers that finished announce it (a record at their final
-        outer step), so in a swarm where nobody needs us this returns at once. A client
-        (`swarm.client_mode`) serves nothing; it still takes the swarm's state if it is outvoted.
-        SwarmError, naming both hashes, if the swarm still holds another hash when the time is up and
-        nobody serves it.
-        """
+        """Our last commit and record out, then `linger.linger` (what it waits for, and why)."""
         self.records.flush_commit()
         self.publish_progress(outer_step, 0, 0, 0.0, sha256=sha256, wait=True)
-        deadline, waiting_for, position = time.monotonic() + self.cfg.linger_time, None, None
-        while time.monotonic() < deadline:
-            position = self.records.assess(outer_step, sha256)
-            if position.verdict in (policy.Verdict.BEHIND, policy.Verdict.DIVERGED) and position.donors:
-                logger.info(f"finished at outer step {outer_step} on {sha256[:12]}, but {position.note}: "
-                            f"taking the swarm's state")
-                return list(position.donors)
-            outvoted = position.verdict in (policy.Verdict.BEHIND, policy.Verdict.DIVERGED)
-            ours = position.swarm_round == outer_step and position.swarm_sha256 == sha256  # the swarm's hash
-            now, window = get_dht_time(), live_window(self.cfg)
-            records = self.records.read_peers()  # None: unreadable, which is no sign that nobody needs us
-            needing = None if records is None else sorted(
-                r.name for r in records if r.peer_id != self.peer_id and policy.is_live(r, now, window)
-                and (r.round < outer_step or (ours and r.round == outer_step and r.sha256 not in ("", sha256))))
-            if not outvoted and (needing == [] or self.cfg.client_mode):
-                return None
-            if needing and needing != waiting_for:
-                logger.info(f"finished at outer step {outer_step}; serving the state to peers that need it: {needing}")
-                waiting_for = needing
-            time.sleep(max(0.0, min(self.cfg.progress_interval, 1.0, deadline - time.monotonic())))  # poll
-        if position is not None and outvoted:
-            raise SwarmError(f"the run ended with this peer on {sha256[:12]} at outer step {outer_step}, and the swarm "
-                             f"committed {(position.swarm_sha256 or '?')[:12]} at outer step {position.swarm_round}, "
-                             f"which no peer served within {self.cfg.linger_time:g} s (swarm.linger_time)")
-        logger.warning(f"stopped serving the state after {self.cfg.linger_time:g} s (swarm.linger_time); "
-                       f"still needed by: {waiting_for}")
-        return None
+        return linger(self.records, self.cfg, self.peer_id, outer_step, sha256)
 
     async def _stop_handlers(self) -> None:
         if hasattr(self, "server") and not self.cfg.client_mode:

@@ -69,9 +69,7 @@ def run_group(dhts, vectors, weights, *, codec="none", stall=10.0, skip=(), grou
     (`swarm.client_mode`). Returns (members, GroupResult or
     exception per started member)."""
     import asyncio
-    import concurrent.futures
 
-    from swarm.net.allreduce import AllReduce
     from swarm.net.allreduce.groupstate import Contribution
     from swarm.net.allreduce.layout import CHUNK_ELEMENTS, WireLayout
     from swarm.net.codec import get_codec
@@ -82,16 +80,8 @@ def run_group(dhts, vectors, weights, *, codec="none", stall=10.0, skip=(), grou
     def split(flat):
         return list(torch.split(flat, [math.prod(s) for s in shapes]))
 
-    async def main():
-        p2ps = [await dht.replicate_p2p() for dht in dhts]
-        pool = concurrent.futures.ThreadPoolExecutor(2)
-        services = [AllReduce(p2p, "unit", stall, 1e6, pool, rule, identity=dht.identity) for p2p, dht in zip(p2ps, dhts)]
+    async def group(p2ps, services):
         keys = [owner_key(dht.identity.owner) for dht in dhts]  # as their signed metas carry them
-        for i, hook in (hooks or {}).items():
-            for name, fn in hook.items():
-                setattr(services[i], name, fn)
-        for service in services:
-            await service.start()
         members = [p2p.peer_id for p2p in p2ps]
         layout = WireLayout(shapes, get_codec(codec), len(members), chunk_elements or CHUNK_ELEMENTS, clients)
 
@@ -105,22 +95,45 @@ def run_group(dhts, vectors, weights, *, codec="none", stall=10.0, skip=(), grou
             flat = lambda ts: torch.cat([t.reshape(-1) for t in ts])  # noqa: E731
             return GroupResult(flat(out), traffic, flat(kept) if kept is not None else None)
 
-        try:
-            for i in abandon:
-                await services[i].abandon(group_id, members, "a phantom group")
-            runs = [one(s, v, w) for i, (s, v, w) in enumerate(zip(services, vectors, weights))
-                    if i not in (*skip, *abandon)]
-            results = await asyncio.gather(*runs, return_exceptions=True)
-            for service in services:
-                await service.drain()
-            return members, results
-        finally:
-            for service in services:
-                await service.stop()
-            for p2p in p2ps:
-                await p2p.shutdown()
-            pool.shutdown()
+        for i in abandon:
+            await services[i].abandon(group_id, members, "a phantom group")
+        runs = [one(s, v, w) for i, (s, v, w) in enumerate(zip(services, vectors, weights))
+                if i not in (*skip, *abandon)]
+        results = await asyncio.gather(*runs, return_exceptions=True)
+        for service in services:
+            await service.drain()
+        return members, results
+
+    async def main():
+        async with all_reduces(dhts, stall, rule, hooks) as (p2ps, services):
+            return await group(p2ps, services)
     return asyncio.run(main())
+
+
+@contextlib.asynccontextmanager
+async def all_reduces(dhts, stall=10.0, rule=None, hooks=None):
+    """An `AllReduce` per DHT (on a replica of its P2P), started, with `hooks` ({member: {attribute: value}})
+    set; yields (p2ps, services) and stops them all on exit."""
+    import concurrent.futures
+
+    from swarm.net.allreduce import AllReduce
+
+    p2ps = [await dht.replicate_p2p() for dht in dhts]
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    services = [AllReduce(p2p, "unit", stall, 1e6, pool, rule, identity=dht.identity) for p2p, dht in zip(p2ps, dhts)]
+    for i, hook in (hooks or {}).items():
+        for name, fn in hook.items():
+            setattr(services[i], name, fn)
+    try:
+        for service in services:
+            await service.start()
+        yield p2ps, services
+    finally:
+        for service in services:
+            await service.stop()
+        for p2p in p2ps:
+            await p2p.shutdown()
+        pool.shutdown()
 
 
 @pytest.fixture

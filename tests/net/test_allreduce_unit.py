@@ -7,12 +7,14 @@ import time
 
 import pytest
 import torch
-from conftest import run_group, three_dhts
+from conftest import all_reduces, run_group, three_dhts
 
+from swarm.net import grouping
 from swarm.net.allreduce import AllReduceHooks, groupstate
-from swarm.net.allreduce.groupstate import AllReduceFailed
+from swarm.net.allreduce.groupstate import AllReduceFailed, Contribution
 from swarm.net.allreduce.layout import WireLayout, part_bounds
 from swarm.net.codec import FP32_BELOW, get_codec
+from swarm.net.matchmaking import Group
 from swarm.net.wire import Kind, WireError
 
 
@@ -93,6 +95,40 @@ def test_a_member_that_leaves_the_group_is_not_waited_for(dhts):
     assert time.monotonic() - start < 5.0
 
 
+@pytest.mark.timeout(40)
+def test_a_member_adopts_whom_the_groupmates_that_stay_left_out_and_declines_the_rest(dhts):
+    """Member 0 leaves group g for g without member 2 (grouping.without) and says so: member 1, whose run of g
+    fails on it, adopts that set (the one other member that stays named it). A set named after member 1 chose
+    ({0}, by member 2) is declined: member 2's run of g without 0 fails at once on member 1's word, not after a
+    stall. A list that is no list of names counts for nothing."""
+    g = b"g" * 16
+
+    def contribution(out):
+        return Contribution(lambda i, a, b: torch.ones(b - a), 1.0, out)
+
+    async def main():
+        async with all_reduces(dhts, stall=10.0) as (p2ps, services):
+            members = [p2p.peer_id for p2p in p2ps]
+            ids = [str(m) for m in members]
+            group = Group(g, members, [{} for _ in members])
+            layout = WireLayout([torch.Size([100])], get_codec("none"), 3)
+            run = asyncio.ensure_future(services[1].run(g, members, layout, contribution([torch.zeros(100)]),
+                                                        [1.0] * 3))
+            await services[2].abandon(g, [members[1]], "garbage", dropped=["x"] * 1000)
+            await services[0].abandon(g, [members[1]], "offenders left out", dropped=[ids[2]])
+            with pytest.raises(AllReduceFailed, match="left the group"):
+                await run
+            chosen = await services[1].regroup(g, lambda named: grouping.adopted(group, ids[1], named), 5.0)
+            await services[2].abandon(g, [members[1]], "offenders left out", dropped=[ids[0]])
+            sub = grouping.without(group, frozenset({ids[0]}))
+            with pytest.raises(AllReduceFailed, match=f"{ids[1]} left the group: we do not leave out"):
+                await services[2].run(sub.group_id, sub.members, WireLayout([torch.Size([100])], get_codec("none"), 2),
+                                      contribution([torch.zeros(100)]), [1.0] * 2)
+            return ids, chosen
+    ids, chosen = asyncio.run(main())
+    assert chosen == frozenset({ids[2]})
+
+
 @pytest.mark.timeout(30)
 def test_a_member_pushing_more_than_its_part_is_refused(dhts, caplog):
     """Member 2 sends one chunk more to every owner than the layout gives it: each owner names it."""
@@ -142,6 +178,22 @@ def test_a_lost_owner_s_part_comes_from_a_groupmate(dhts, caplog):
     for r in results:
         assert torch.equal(r.tensor, results[0].tensor)
         assert (r.tensor - expected).abs().max() < 1e-5
+
+
+@pytest.mark.timeout(40)
+def test_an_owner_lost_before_anyone_held_its_part_fails_the_attempt_at_once(dhts):
+    """Owner 0 dies before it sends any average: members 1 and 2 each ask the other for part 0, and each answers
+    that it lost owner 0 too, so both fail naming owner 0 (not "not done within", a stall waited out while each
+    waits for the other), and retry."""
+    class DiesBeforeResults(AllReduceHooks):  # its streams to the members close; it says nothing more
+        async def sending_result(self, group, i, k, channel):
+            channel.close()
+            await asyncio.sleep(3600)
+    members, results = run_group(dhts, [torch.randn(30_000) for _ in range(3)], [1.0] * 3, group_id=b"lost",
+                                 stall=5.0, chunk_elements=2048, hooks={0: {"hooks": DiesBeforeResults()}})
+    for r in results[1:]:
+        assert isinstance(r, AllReduceFailed) and r.culprit == members[0], r
+        assert "lost the owner of part 0 too" in str(r), r
 
 
 @pytest.mark.timeout(30)

@@ -65,6 +65,44 @@ def test_peers_that_caught_the_same_offender_agree_on_the_new_group_id():
     assert a.exclude(group(3), 3).group_id == b.exclude(group(3), 3).group_id
 
 
+def names(*ids: int) -> frozenset[str]:
+    return frozenset(str(peer(i)) for i in ids)
+
+
+@pytest.mark.parametrize("me, left_outs, expected", [
+    # two of the three that stay (us apart: 0 and 1) left out 3: we run the group without 3, as they do
+    (2, {0: (3,), 1: (3,)}, (3,)),
+    # the offender's own say is no vote: it is outside the electorate
+    (2, {0: (3,), 1: (3,), 3: (0,)}, (3,)),
+    # one liar of four leaves out an honest peer: one of the two that stay is not more than half
+    (2, {3: (0,)}, None),
+    # ... nor of five: 1 of 3
+    (2, {4: (0,)}, None),
+    # the same two, in a group of five, are 2 of the 3 that stay
+    (2, {0: (4,), 1: (4,)}, (4,)),
+    # nobody adopts a set that holds itself, however many name it
+    (3, {0: (3,), 1: (3,), 2: (3,)}, None),
+    # votes for different sets do not add up
+    (2, {0: (3,), 1: (3, 4)}, None),
+    # a name that is not a member makes the set no subgroup of ours
+    (2, {0: (9,), 1: (9,)}, None),
+    (2, {}, None),
+])
+def test_a_left_out_set_is_adopted_only_from_more_than_half_of_those_that_stay(me, left_outs, expected):
+    g = group(5 if any(4 in d or k == 4 for k, d in left_outs.items()) else 4)
+    got = grouping.adopted(g, str(peer(me)), {str(peer(k)): names(*d) for k, d in left_outs.items()})
+    assert got == (None if expected is None else names(*expected))
+
+
+def test_an_adopted_group_has_the_id_of_those_that_left_the_offender_out():
+    offenses = grouping.Offenses(Access())
+    g = group(4)
+    offenses.record(peer(3), round=0, reason="NaN")
+    theirs = offenses.exclude(g, round=0)
+    ours = grouping.without(g, names(3))
+    assert (ours.group_id, ours.members, ours.metas) == (theirs.group_id, theirs.members, theirs.metas)
+
+
 def test_only_offenders_left_means_no_group():
     offenses = grouping.Offenses(Access())
     offenses.record(peer(1), round=0, reason="x")

@@ -153,23 +153,11 @@ class AllReduce(GroupSlots):
             if isinstance(e, AllReduceFailed) and e.culprit is None and group.culprit is not None:
                 e = AllReduceFailed(f"{e} (first failure: {group.failure})", group.culprit, group.blame)
             self._forget(group_id, e if isinstance(e, AllReduceFailed) else group.failed())
+            self.ended(group)
             self._tell_owners(group)
             if self.rule.verify:
                 audit.keep(self, group)
             raise e from None
-
-    def _linger(self, group: GroupState, tasks: list[asyncio.Task]) -> None:
-        """Keep a complete group (and its `out`) for groupmates until all are settled, at most `stall` s."""
-        async def release() -> None:
-            try:
-                await group.wait_for(lambda: len(group.settled) == len(group.members), self.stall, "linger")
-            except AllReduceFailed:
-                pass  # a groupmate that neither finished nor left within stall: it has no claim on us any more
-            finally:
-                for task in tasks:
-                    task.cancel()
-                self._forget(group.group_id, AllReduceFailed("this all-reduce is over here"))
-        self._background(release())
 
     def _encode_mine(self, group: GroupState, chunk: Chunk) -> bytes:
         """Our elements of `chunk`, encoded; with error feedback, what the encoding dropped goes to `residual`."""
@@ -213,7 +201,7 @@ class AllReduce(GroupSlots):
 
     async def _push(self, group: GroupState, j: int, channel: Channel) -> None:
         signs = self.rule.verify and group.agreeing  # evidence.py: what we sent, signed, settles an audit
-        pushed = group.pushed.setdefault(j, [])
+        pushed: list[bytes] = []  # digests of the chunks we sent, signed once all went (evidence.py)
 
         async def push(count: Optional[int]) -> None:  # the first `count` chunks of part j (None: all)
             chunks = group.chunks[j][:count]
@@ -312,7 +300,7 @@ class AllReduce(GroupSlots):
             await channel.refuse(f"an unreadable HELLO: {e}", channel.peer)
             raise
         if "abandon" in hello:
-            return self._left(hello.get("group"), channel.peer, hello["abandon"])
+            return await self._left(hello.get("group"), channel.peer, hello["abandon"], hello.get("dropped"))
         group = await self._wait_group(hello.get("group"), channel)
         if group is None:
             return
@@ -410,11 +398,3 @@ class AllReduce(GroupSlots):
         finally:
             group.delivered[i] = math.inf
             await group.notify()
-
-    async def drain(self) -> int:
-        """Wait until every complete group has been left by its groupmates (each at most `stall` s); return
-        how many were still held. A member leaving right after its last round still serves it meanwhile."""
-        pending = list(self._serving)
-        if pending:
-            await asyncio.wait(pending)
-        return len(pending)

@@ -131,6 +131,12 @@ async def offered(slots: GroupSlots, group: GroupState, i: int) -> Optional[Chan
         return None
 
 
+def is_chunk(group: GroupState, j: object, k: object) -> bool:
+    """Whether an audit request's (part, chunk), read off the wire, names a chunk of this group."""
+    return (isinstance(j, int) and 0 <= j < len(group.members) and isinstance(k, int)
+            and 0 <= k < len(group.chunks[j]))
+
+
 async def offer(slots: GroupSlots, group: GroupState, m: int) -> None:
     """We are a client: once we hold the whole average, open a stream to auditor m (an owner) and answer its
     requests, one chunk of each part it checks (not its own), until it closes the stream (its audit is over).
@@ -149,8 +155,7 @@ async def offer(slots: GroupSlots, group: GroupState, m: int) -> None:
                     return  # m's audit is over
                 channel.stall = slots.stall
                 j, k = request.get("part"), request.get("chunk")
-                if not (isinstance(j, int) and 0 <= j < len(group.members) and j != m and j not in asked
-                        and isinstance(k, int) and 0 <= k < len(group.chunks[j])):
+                if not (is_chunk(group, j, k) and j != m and j not in asked):
                     raise ProtocolError(f"{channel.peer} asked for chunk {k!r} of part {j!r} for its audit")
                 asked.add(j)
                 payload = await slots.cpu(encode_pure, group, group.chunks[j][k])
@@ -260,8 +265,7 @@ async def serve_audit(slots: GroupSlots, channel: Channel) -> None:
             return await channel.fail("no such group or part here")
         return await evidence.serve(group, channel, hello["evidence"], slots.stall)
     j, k = hello.get("part"), hello.get("chunk")
-    valid = (group is not None and group.rule.verify and channel.peer in group.members and isinstance(j, int)
-             and 0 <= j < len(group.members) and isinstance(k, int) and 0 <= k < len(group.chunks[j])
+    valid = (group is not None and group.rule.verify and channel.peer in group.members and is_chunk(group, j, k)
              and (channel.peer, j) not in group.audits_served)
     if not valid:
         return await channel.fail("no such group, part or chunk here, or asked already")

@@ -60,6 +60,16 @@ async def together(*steps) -> None:
             task.cancel()
 
 
+def subgroup_id(group_id: bytes, members: Sequence[PeerID], dropped: frozenset[str]) -> bytes:
+    """The id of group `group_id` less the members in `dropped` (peer ids), as every member that drops them
+    computes it: the old id, then the dropped members' ids in group order."""
+    h = hashlib.sha256(group_id)
+    for peer in members:
+        if str(peer) in dropped:
+            h.update(peer.to_bytes())
+    return h.digest()[:16]
+
+
 def check_weights(members: Sequence[PeerID], weights: Sequence[object], me: int, ours: float) -> None:
     """The weights all members agreed on (matchmaking) must be finite numbers >= 0, ours among them, one > 0;
     AllReduceFailed naming the member whose is not."""
@@ -120,9 +130,8 @@ class GroupState:
         self.audits_served: set[tuple[PeerID, int]] = set()  # (groupmate, part) whose contribution we re-sent
         # a client's contributions for our audits come on a stream it opens (audit.offer): by client index
         self.offers: dict[int, asyncio.Future] = {}
-        # who lied when an audit disagrees (evidence.py): digests of the chunks we pushed, by part; as an owner,
-        # those of what each member pushed us, and its signature over them once its DIGEST came
-        self.pushed: dict[int, list[bytes]] = {}
+        # who lied when an audit disagrees (evidence.py): as an owner, the digests of what each member pushed us,
+        # and its signature over them once its DIGEST came
         self.received: dict[int, list[bytes]] = {}
         self.evidence: dict[int, tuple[bytes, bytes]] = {}
         self.evidence_served: set[tuple[PeerID, int]] = set()  # (auditor, member) whose evidence we sent
@@ -137,6 +146,7 @@ class GroupState:
         self.gone: set[int] = set()  # members whose stream to us ended without a DONE
         self.agreed: set[int] = set()  # owners that answered our DONE with theirs (or left)
         self.repaired: set[int] = set()  # parts taken from a groupmate (repair.py): no owner's digest
+        self.lost: set[int] = set()  # parts whose owner we lost before we held their whole average (repair.py)
 
     def complete(self) -> bool:
         return all(h == len(c) for h, c in zip(self.have, self.chunks))

@@ -2,7 +2,10 @@
 
 An owner that died after serving some members must not split the group into committers and discarders:
 any member holding part j's whole average serves it, in fp32, to a groupmate that asks (`serve_repair`),
-until every groupmate is settled or `stall` s passed (`AllReduce._linger`).
+until every groupmate is settled or `stall` s passed (`AllReduce._linger`). A member that lost the same owner
+before it held the whole part says so at once: when the owner died before anyone held its average (the common
+case: it dies while it reduces), every member then fails the attempt within a round trip and retries, instead of
+each waiting out `stall` for a groupmate that waits for it in turn.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ logger = logging.getLogger("swarm.net.allreduce")  # one log for the whole all-r
 async def repair(slots: GroupSlots, group: GroupState, j: int, lost: Exception) -> None:
     """Take the rest of part j from any groupmate that holds it, in fp32; AllReduceFailed if none does."""
     tried = []
+    group.lost.add(j)
+    await group.notify()
     for k in [k for k in group.layout.owners if k not in (j, group.me)]:  # a client cannot be dialed
         try:
             channel = await Channel.open(slots.p2p, group.members[k], f"{slots.name}_repair", slots.stall,
@@ -56,7 +61,10 @@ async def serve_repair(slots: GroupSlots, channel: Channel) -> None:
         return await channel.refuse("no such group or part here")
     channel.count_into(group.traffic)
     try:
-        await group.wait_for(lambda: group.have[j] == len(group.chunks[j]), slots.stall, f"part {j}")
+        await group.wait_for(lambda: group.have[j] == len(group.chunks[j]) or j in group.lost, slots.stall,
+                             f"part {j}")
+        if group.have[j] < len(group.chunks[j]):
+            return await channel.refuse(f"lost the owner of part {j} too, before it sent the whole average")
         for chunk in group.chunks[j][start:]:
             values = await slots.cpu(gather, group.read_out, chunk)
             await channel.send(Kind.RESULT, values.numpy().tobytes())

@@ -5,28 +5,32 @@ and CPU pool.
 A groupmate may push to us before we have left matchmaking, so a stream naming an unknown group waits for
 it up to `stall` s; at most MAX_PENDING_GROUPS such waits at once, and MAX_PENDING_PER_PEER per peer, so
 that one peer opening streams for made-up groups (a flood) leaves room for every other groupmate. A
-finished or failed group is remembered `stall` s more, so late streams naming it get its fate at once; a
-member that leaves a group before running it (`abandon`) is remembered as long.
+complete group lingers until its groupmates are settled, at most `stall` s (`_linger`; `drain` waits for those
+that linger); a finished or failed group is remembered `stall` s more, so late streams naming it get its fate at
+once; a member that leaves a group before running it (`abandon`) is remembered as long, and so is whom it named
+as left out of it (`regroup`: grouping.adopted decides on them).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 from collections import Counter
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from hivemind.p2p import P2P, PeerID
 
 from swarm.net.access import Access
-from swarm.net.allreduce.groupstate import AllReduceFailed, GroupState
+from swarm.net.allreduce.groupstate import AllReduceFailed, GroupState, subgroup_id
 from swarm.net.wire import Channel, Kind, WireError
 
 logger = logging.getLogger(__name__)
 
 MAX_PENDING_GROUPS = 16  # unknown group ids waited for at once; more are refused
 MAX_PENDING_PER_PEER = 2  # of those, opened by one peer: a flood from one peer leaves room for the others
+MAX_NAMED = 256  # members one abandon may name as left out, and abandons kept per group: strangers send them
 
 
 class GroupSlots:
@@ -34,6 +38,11 @@ class GroupSlots:
         self.p2p, self.name, self.stall, self.pool, self.access = p2p, name, stall, pool, access
         self._groups: dict[bytes, asyncio.Future[GroupState]] = {}
         self._abandoned: dict[bytes, tuple[PeerID, str]] = {}  # groups a member left before we ran them
+        # by group: each member that left it for a group without some members, and whom it left out
+        self._left_outs: dict[bytes, dict[str, frozenset[str]]] = {}
+        self._told = asyncio.Condition()  # notified on every abandon received
+        self._ended: dict[bytes, list[PeerID]] = {}  # groups that failed here: their dialable members
+        self._regrouped: dict[bytes, Optional[frozenset[str]]] = {}  # what `regroup` chose for them
         self._opened: Counter[PeerID] = Counter()  # unknown groups each peer is waiting for here
         self._failed: dict[bytes, GroupState] = {}  # verify_parts: failed groups, `stall` s for audits (audit.py)
         self._serving: set[asyncio.Task] = set()  # lingering groups, FAILs being delivered: `drain` waits for them
@@ -46,6 +55,27 @@ class GroupSlots:
         task = asyncio.ensure_future(coro)
         self._serving.add(task)
         task.add_done_callback(self._serving.discard)
+
+    def _linger(self, group: GroupState, tasks: list[asyncio.Task]) -> None:
+        """Keep a complete group (and its `out`) for groupmates until all are settled, at most `stall` s."""
+        async def release() -> None:
+            try:
+                await group.wait_for(lambda: len(group.settled) == len(group.members), self.stall, "linger")
+            except AllReduceFailed:
+                pass  # a groupmate that neither finished nor left within stall: it has no claim on us any more
+            finally:
+                for task in tasks:
+                    task.cancel()
+                self._forget(group.group_id, AllReduceFailed("this all-reduce is over here"))
+        self._background(release())
+
+    async def drain(self) -> int:
+        """Wait until every complete group has been left by its groupmates (each at most `stall` s); return
+        how many were still held. A member leaving right after its last round still serves it meanwhile."""
+        pending = list(self._serving)
+        if pending:
+            await asyncio.wait(pending)
+        return len(pending)
 
     def _tell_owners(self, group: GroupState) -> None:
         """A failed group: FAIL our streams to the owners, naming the culprit, so that they name it too instead
@@ -68,28 +98,74 @@ class GroupSlots:
         self._failed[group.group_id] = group
         asyncio.get_running_loop().call_later(self.stall, self._failed.pop, group.group_id, None)
 
-    async def abandon(self, group_id: bytes, members: Sequence[PeerID], reason: str) -> None:
-        """Tell `members` that we will not take part in `group_id` (they drop it at once, not after a stall)."""
+    async def abandon(self, group_id: bytes, members: Sequence[PeerID], reason: str,
+                      dropped: Sequence[str] = ()) -> None:
+        """Tell `members` that we will not take part in `group_id` (they drop it at once, not after a stall);
+        `dropped`: the members we left out of it, for the group we run instead (grouping.without)."""
+        hello = {"group": group_id, "abandon": reason[:300], **({"dropped": sorted(dropped)} if dropped else {})}
+
         async def tell(peer: PeerID) -> None:
             try:
                 channel = await Channel.open(self.p2p, peer, self.name, self.stall)
-                await channel.send_control(Kind.HELLO, {"group": group_id, "abandon": reason[:300]})
+                await channel.send_control(Kind.HELLO, hello)
                 channel.close()
             except WireError as e:
                 logger.debug(f"all-reduce: could not tell {peer} that we left group {group_id.hex()[:8]}: {e}")
         await asyncio.gather(*[tell(p) for p in members if p != self.p2p.peer_id])
 
-    def _left(self, group_id: object, peer: PeerID, reason: object) -> None:
-        """A member left a group (its matchmaking barrier failed): fail the group if it is ours, or remember
-        it for `stall` s in case we have yet to run it."""
+    async def _left(self, group_id: object, peer: PeerID, reason: object, dropped: object) -> None:
+        """A member left a group (its matchmaking barrier failed, or it left members out): fail the group if it
+        is ours, or remember it for `stall` s in case we have yet to run it; whom it left out, as long."""
         if not isinstance(group_id, bytes):
             return
+        if (isinstance(dropped, list) and 0 < len(dropped) <= MAX_NAMED and all(isinstance(d, str) for d in dropped)
+                and (len(self._left_outs.get(group_id, ())) < MAX_NAMED if group_id in self._left_outs
+                     else len(self._left_outs) < MAX_PENDING_GROUPS)):
+            if group_id not in self._left_outs:
+                self._left_outs[group_id] = {}
+                asyncio.get_running_loop().call_later(self.stall, self._left_outs.pop, group_id, None)
+            self._left_outs[group_id][str(peer)] = named = frozenset(d[:100] for d in dropped)
+            if group_id in self._regrouped and named != self._regrouped[group_id]:
+                self._decline(group_id, named)  # it came after we chose
+            async with self._told:
+                self._told.notify_all()
         group = self.held(group_id)
         if group is not None and peer in group.members:
             asyncio.ensure_future(group.fail(f"{peer} left the group: {str(reason)[:300]}"))
         elif group is None and len(self._abandoned) < MAX_PENDING_GROUPS:
             self._abandoned[group_id] = (peer, str(reason)[:300])
             asyncio.get_running_loop().call_later(self.stall, self._abandoned.pop, group_id, None)
+
+    def ended(self, group: GroupState) -> None:
+        """`group` failed here: a member that left it for a group without some members may still tell us so."""
+        self._ended[group.group_id] = [p for i, p in enumerate(group.members) if i not in group.layout.clients]
+        asyncio.get_running_loop().call_later(self.stall, self._ended.pop, group.group_id, None)
+
+    async def regroup(self, group_id: bytes, choose: Callable[[dict[str, frozenset[str]]], Optional[frozenset[str]]],
+                      timeout: float) -> Optional[frozenset[str]]:
+        """After group `group_id` failed here: the members to drop from it that `choose` picks from whom the
+        members that left it left out (grouping.adopted), waiting for them at most `timeout` s while some members
+        said nothing yet; None: none. Every other set they name (ours apart), now or later, is declined: we leave
+        the group without it at once, so that its members do not wait for us."""
+        others = {str(p) for p in self._ended.get(group_id, ())} - {str(self.p2p.peer_id)}
+        named = lambda: self._left_outs.get(group_id, {})  # noqa: E731
+        async with self._told:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._told.wait_for(
+                    lambda: not named() or set(named()) >= others or choose(named()) is not None), timeout)
+            chosen = self._regrouped[group_id] = choose(named())
+        asyncio.get_running_loop().call_later(self.stall, self._regrouped.pop, group_id, None)
+        for dropped in set(named().values()) - {chosen}:
+            self._decline(group_id, dropped)
+        return chosen
+
+    def _decline(self, group_id: bytes, dropped: frozenset[str]) -> None:
+        members = self._ended.get(group_id)
+        if members is None or str(self.p2p.peer_id) in dropped:
+            return
+        self._background(self.abandon(subgroup_id(group_id, members, dropped),
+                                      [p for p in members if str(p) not in dropped],
+                                      f"we do not leave out {sorted(dropped)}"))
 
     def _forget(self, group_id: bytes, why: AllReduceFailed) -> None:
         """Drop a group (its tensors with it); for `stall` s more, streams naming it get `why` at once."""
