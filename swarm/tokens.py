@@ -23,6 +23,7 @@ so a tampered or damaged file is refused by its hash, while an unchanged corpus 
 
 from __future__ import annotations
 
+import concurrent.futures
 import fcntl
 import hashlib
 import json
@@ -317,18 +318,25 @@ def _in_order(encode: Callable[[list[tuple[str, str]]], Encoded], batches: Itera
     on `workers` processes forked from this one (1: here). At most two batches per worker are in flight, so
     memory stays bounded however long the corpus (`Pool.imap` would read the whole input ahead). The workers are
     forked, not spawned: they start in milliseconds and inherit the tokenizer, and they run only the tokenizer
-    and numpy, none of the threads the parent may have started."""
+    and numpy, none of the threads the parent may have started. Stopped early, it lets the batches in flight end
+    and joins the workers: `multiprocessing.Pool`'s terminate there hung once (its task handler
+    blocked on the input queue's lock, `make test` from a clean clone), a ProcessPoolExecutor's shutdown does
+    not terminate anything."""
     if workers <= 1:
         yield from map(encode, batches)
         return
-    with multiprocessing.get_context("fork").Pool(workers, _start_worker, (encode,)) as pool:
+    pool = concurrent.futures.ProcessPoolExecutor(workers, multiprocessing.get_context("fork"), _start_worker,
+                                                  (encode,))
+    try:
         pending: deque = deque()
         for batch in batches:
-            pending.append(pool.apply_async(_run_worker, (batch,)))
+            pending.append(pool.submit(_run_worker, batch))
             if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
+                yield pending.popleft().result()
         while pending:
-            yield pending.popleft().get()
+            yield pending.popleft().result()
+    finally:  # also when the caller stops early (an interrupt): the batches in flight end, the workers with them
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _move(folder: Path, document: tuple, source: str, target: str, dtype: np.dtype) -> None:

@@ -100,7 +100,8 @@ def test_a_member_adopts_whom_the_groupmates_that_stay_left_out_and_declines_the
     """Member 0 leaves group g for g without member 2 (grouping.without) and says so: member 1, whose run of g
     fails on it, adopts that set (the one other member that stays named it). A set named after member 1 chose
     ({0}, by member 2) is declined: member 2's run of g without 0 fails at once on member 1's word, not after a
-    stall. A list that is no list of names counts for nothing."""
+    stall. (Member 1's run fails on member 0's word, so that word is in when it chooses: a set named only after
+    another failure is declined, as here.)"""
     g = b"g" * 16
 
     def contribution(out):
@@ -114,8 +115,7 @@ def test_a_member_adopts_whom_the_groupmates_that_stay_left_out_and_declines_the
             layout = WireLayout([torch.Size([100])], get_codec("none"), 3)
             run = asyncio.ensure_future(services[1].run(g, members, layout, contribution([torch.zeros(100)]),
                                                         [1.0] * 3))
-            await services[2].abandon(g, [members[1]], "garbage", dropped=["x"] * 1000)
-            await services[0].abandon(g, [members[1]], "offenders left out", dropped=[ids[2]])
+            await services[0].abandon(g, [members[1]], "offenders left out", dropped=[ids[2]])  # fails `run`
             with pytest.raises(AllReduceFailed, match="left the group"):
                 await run
             chosen = await services[1].regroup(g, lambda named: grouping.adopted(group, ids[1], named), 5.0)
