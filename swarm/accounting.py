@@ -1,7 +1,7 @@
 """Memory and round-time accounting of a peer, from its config and its model's shapes: what a GPU and a host of a
 (sharded) peer hold, and the share of a round spent computing at a given link speed. The same accounting
 bench/shards.py measures on CPU (24 bytes per parameter of training state, 1/K of it per rank of a sharded
-peer, plus rank 0's exchange buffers); configs/llama-30b.yaml is its worked example.
+peer, the same on rank 0); configs/llama-30b.yaml is its worked example.
 
 Per rank of a peer of K ranks (`inner.parallel: fsdp`; with ddp, or K = 1, every rank holds all of it):
 
@@ -11,8 +11,9 @@ Per rank of a peer of K ranks (`inner.parallel: fsdp`; with ddp, or K = 1, every
                     logits of one micro-batch)                                    `activation_bytes`
     where diloco.global_device says (cpu: host memory)
                     fp32 global parameters and outer momentum                     8 B x N / K
-    rank 0, host    the exchange's pseudo-gradient gathered whole, its average    8 B x N / F (F fragments)
     page cache      the served copy of global parameters and momentum (file-backed, evictable)   8 B x N
+                    the exchange's two node-local files, pseudo-gradient and average (swarm/sharding.py),
+                    shared by the ranks, read and written a chunk at a time           8 B x N
 
 The round (`round_projection`): an all-reduce of the pseudo-gradient, V = the codec's bytes of N elements, over
 a butterfly of n peers moves ~ 2 (n - 1) / n x V per peer, half each way on a full-duplex link; H inner steps of
@@ -61,17 +62,17 @@ def activation_bytes(cfg: Config, vocab_size: int) -> int:
 
 
 def memory(cfg: Config, shapes: Shapes, ranks: int, vocab_size: int) -> dict[str, float]:
-    """Bytes per device, per rank on the host, rank 0's extra and the page cache, for a peer of `ranks` ranks."""
+    """Bytes per device, per rank on the host, per node on the host and in the page cache, for a peer of `ranks`
+    ranks."""
     k = ranks if cfg.inner.parallel == "fsdp" else 1
     n = shapes.params
     outer = 8 * n / k
     on_host = cfg.diloco.global_device == "cpu"
     device = 16 * n / k + (2 * 4 * shapes.block_params if k > 1 else 0) + activation_bytes(cfg, vocab_size) + \
         (0 if on_host else outer)
-    exchange = 8 * n / cfg.diloco.fragments if k > 1 else 0
     host_rank = outer if on_host else 0
-    return {"device_per_rank": device, "host_per_rank": host_rank, "rank0_exchange": exchange,
-            "host_per_node": ranks * host_rank + exchange, "page_cache": 8 * n if k > 1 else 0}
+    return {"device_per_rank": device, "host_per_rank": host_rank, "host_per_node": ranks * host_rank,
+            "page_cache": 16 * n if k > 1 else 0}
 
 
 def round_projection(cfg: Config, params: int, step_s: float, link_bytes_per_s: float, peers: int) -> dict:

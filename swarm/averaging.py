@@ -23,11 +23,12 @@ import torch
 from swarm.diloco import PseudoGradient
 from swarm.errors import SwarmError
 from swarm.state import TensorSpec
+from swarm.tensors import Buffers
 
 
 @dataclass
 class RoundOutcome:
-    averaged: Optional[Sequence[torch.Tensor]]  # weighted mean pseudo-gradient (fp32); None: exchange discarded
+    averaged: Optional[Sequence[torch.Tensor] | Buffers]  # weighted mean pseudo-gradient (fp32); None: discarded
     group_size: int = 1
     total_samples: int = 0
     bytes_sent: int = 0  # payload on the wire until average() returned: a groupmate that fetches our
@@ -95,10 +96,10 @@ class Averager(ABC):
     networked = False  # True where `fetch_state` can replace a lost or corrupt checkpoint
 
     @abstractmethod
-    def average(self, outer_step: int, pseudo_grad: PseudoGradient, samples: int, out: Sequence[torch.Tensor],
-                base: str = "") -> RoundOutcome:
+    def average(self, outer_step: int, pseudo_grad: PseudoGradient, samples: int,
+                out: Sequence[torch.Tensor] | Buffers, base: str = "") -> RoundOutcome:
         """Average `pseudo_grad` (weighted by `samples`) with the peers that committed `outer_step` outer steps,
-        into `out`.
+        into `out` (tensors, or buffers written by span: a sharded peer's rank 0 gives a node-local file's).
 
         `base` is the state's hash (swarm/statehash.py) the pseudo-gradient was taken from: only peers on the
         same base may average together (a step applied to different bases would never reconcile them).
@@ -153,10 +154,9 @@ def weighted_mean(contributions: list[tuple[list[torch.Tensor], float]]) -> list
 
 
 class SoloAverager(Averager):
-    def average(self, outer_step: int, pseudo_grad: PseudoGradient, samples: int, out: Sequence[torch.Tensor],
-                base: str = "") -> RoundOutcome:
-        for i, o in enumerate(out):
-            o.copy_(pseudo_grad.read(i, 0, o.numel()).view(o.shape))
+    def average(self, outer_step: int, pseudo_grad: PseudoGradient, samples: int,
+                out: Sequence[torch.Tensor] | Buffers, base: str = "") -> RoundOutcome:
+        Buffers.of(out).fill(pseudo_grad.read)
         return RoundOutcome(out, group_size=1, total_samples=samples, note="solo")
 
 

@@ -34,7 +34,7 @@ import torch
 from swarm.config import OuterConfig
 from swarm.sharding import Layout, Shards, local_params
 from swarm.statehash import state_sha256, tensors_digest
-from swarm.tensors import all_finite
+from swarm.tensors import Buffers, all_finite
 
 
 class PseudoGradient:
@@ -63,22 +63,25 @@ class PseudoGradient:
         return all(all_finite(t) for t in self.local_params)
 
 
-class Gathered(PseudoGradient):
-    """A pseudo-gradient held whole (a sharded peer's, gathered on its rank 0: swarm/sharding.py), read like a
-    lazy one."""
+class OnNode(PseudoGradient):
+    """A sharded peer's pseudo-gradient as its rank 0 reads it: every rank's rows in the node-local file `values`
+    (swarm/sharding.py), plus rank 0's whole error-feedback `residual`; `finite`: every rank's rows were."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor]):
-        self.values = list(tensors)
-        self.shapes = [t.shape for t in self.values]
+    def __init__(self, values: Buffers, residual: Optional[Sequence[torch.Tensor]], finite: bool):
+        self.values, self.residual, self.finite = values, residual, finite
+        self.shapes = list(values.shapes)
 
     def read(self, index: int, start: int, end: int) -> torch.Tensor:
-        return self.values[index].reshape(-1)[start:end].clone()
+        out = self.values.read(index, start, end)
+        if self.residual is not None:
+            out += self.residual[index].reshape(-1)[start:end].to("cpu", torch.float32)
+        return out
 
     def tensors(self) -> list[torch.Tensor]:
-        return self.values
+        return [self.read(i, 0, self.values.numel(i)).view(s) for i, s in enumerate(self.shapes)]
 
     def is_finite(self) -> bool:
-        return all(all_finite(t) for t in self.values)
+        return self.finite
 
 
 class DiLoCo:

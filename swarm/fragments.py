@@ -54,7 +54,9 @@ from typing import Optional, Sequence
 import torch
 
 from swarm.config import ConfigError, DilocoConfig
-from swarm.diloco import DiLoCo, Gathered, PseudoGradient
+from swarm.diloco import DiLoCo, OnNode, PseudoGradient
+from swarm.sharding import NodeVector
+from swarm.tensors import Buffers
 
 log = logging.getLogger("swarm.fragments")
 
@@ -104,28 +106,36 @@ class Fragment:
         return PseudoGradient(self.global_params, self.params if local is None else local, mine)
 
     def wire(self, pseudo_grad: PseudoGradient, out: list[torch.Tensor],
-             residual: Optional[Sequence[torch.Tensor]] = None) -> tuple[PseudoGradient, list[torch.Tensor]]:
+             residual: Optional[Sequence[torch.Tensor]] = None) -> tuple[PseudoGradient, list[torch.Tensor] | Buffers]:
         """What the averager reads and writes: `pseudo_grad` and `out` themselves, or on a sharded peer (every rank
-        at once) the pseudo-gradient gathered whole on rank 0, plus `residual` there, and whole buffers for its
-        average (swarm/sharding.py). The other ranks' averager never reads them."""
+        at once) the node-local files every rank wrote its rows of the pseudo-gradient into, plus `residual` on
+        rank 0, and the one the average goes into (swarm/sharding.py). The other ranks' averager reads neither."""
         shards = self.diloco.shards
         if shards is None:
             return pseudo_grad, out
-        whole = []
         for j, i in enumerate(self.indices):
-            got = shards.gather(i, pseudo_grad.read(j, 0, self.params[j].numel()))
-            if got is not None:
-                got = got.view(shards.layout.shapes[i])
-                whole.append(got if residual is None else got.add_(residual[j].to(got.device)))
+            offset, end = shards.layout.span(i)
+            for start in range(0, end - offset, Buffers.PIECE):
+                stop = min(end - offset, start + Buffers.PIECE)
+                shards.given.write(i, offset + start, pseudo_grad.read(j, start, stop))
+        finite = shards.all_true(pseudo_grad.is_finite())  # a collective: every rank's rows are written after it
         if not shards.root:
             return pseudo_grad, out
-        return Gathered(whole), [torch.empty_like(t) for t in whole]
+        return OnNode(shards.given.vector(self.indices), residual, finite), shards.average.vector(self.indices)
 
-    def unwire(self, averaged: Optional[Sequence[torch.Tensor]], out: Sequence[torch.Tensor]) -> None:
-        """A sharded peer (every rank at once): each rank's rows of the average (whole on rank 0) into its `out`."""
+    @torch.no_grad()
+    def unwire(self, averaged: Optional[Buffers], out: Sequence[torch.Tensor]) -> None:
+        """A sharded peer whose exchange committed (every rank, after rank 0 told them): each rank's rows of the
+        average, from the node-local file rank 0's averager wrote it into, into its `out`."""
         shards = self.diloco.shards
+        if shards.root and not (isinstance(averaged, NodeVector) and averaged.file is shards.average):
+            raise RuntimeError("the averager wrote the average elsewhere than into the buffers it was given")
         for j, i in enumerate(self.indices):
-            shards.scatter(i, None if averaged is None else averaged[j], out[j])
+            offset, end = shards.layout.span(i)
+            flat = out[j].view(-1)
+            for start in range(0, end - offset, Buffers.PIECE):
+                stop = min(end - offset, start + Buffers.PIECE)
+                flat[start:stop].copy_(shards.average.read(i, offset + start, offset + stop))
 
     def outer_grads(self) -> list[torch.Tensor]:
         return [torch.empty_like(g) for g in self.global_params]

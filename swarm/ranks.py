@@ -19,8 +19,8 @@ A rank that dies ends the whole peer: the launcher (or torchrun) stops the other
 and the swarm sees one peer leave. The restarted peer resumes from rank 0's checkpoint or catches up like any other.
 
 Sharded peers (`inner.parallel: fsdp`, for models that do not fit one device): FSDP2 instead of DDP, and each
-rank holds only its rows of the outer state; rank 0 stays the one endpoint, the pseudo-gradient reaches it and
-the average leaves it one tensor at a time (swarm/sharding.py).
+rank holds only its rows of the outer state; rank 0 stays the one endpoint, and the pseudo-gradient reaches it
+and the average leaves it through node-local files, chunk by chunk (swarm/sharding.py).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from swarm.config import Config
 from swarm.diloco import PseudoGradient
 from swarm.errors import SwarmError, UsageError
 from swarm.state import TensorSpec
+from swarm.tensors import Buffers
 
 
 class Ranks:
@@ -137,12 +138,13 @@ class Ranks:
             dist.broadcast(tensor, src=0, group=self._group_of(tensor))
 
     def share_outcome(self, outcome: RoundOutcome, out: Sequence[torch.Tensor],
-                      scatter: Optional[Callable[[Optional[Sequence[torch.Tensor]], Sequence[torch.Tensor]], None]]
-                      = None) -> RoundOutcome:
+                      scatter: Optional[Callable[[Optional[Buffers], Sequence[torch.Tensor]], None]] = None
+                      ) -> RoundOutcome:
         """Rank 0's outcome of an exchange on every rank: its summary, then the averaged pseudo-gradient into `out`
-        if it committed (a sharded peer: `scatter(whole average or None, out)` puts each rank's rows of it in its
-        `out`, and the outcome carries `out`; rank 0 keeps its residual). Called in the training thread (never in
-        an exchange's thread: collectives from two threads on one process group would interleave)."""
+        if it committed (a sharded peer: `scatter(rank 0's averaged buffers or None, out)` puts each rank's rows of
+        the average in its `out`, and the outcome carries `out`; rank 0 keeps its residual). Called in the training
+        thread (never in an exchange's thread: collectives from two threads on one process group would
+        interleave)."""
         if not self.distributed:
             return outcome
         if self.endpoint:
@@ -224,8 +226,8 @@ class Follower(Averager):
     def __init__(self, networked: bool):
         self.networked = networked
 
-    def average(self, outer_step: int, pseudo_grad: PseudoGradient, samples: int, out: Sequence[torch.Tensor],
-                base: str = "") -> RoundOutcome:
+    def average(self, outer_step: int, pseudo_grad: PseudoGradient, samples: int,
+                out: Sequence[torch.Tensor] | Buffers, base: str = "") -> RoundOutcome:
         return RoundOutcome(None, note="rank 0 averages")
 
     def fetch_state(self, intake: Intake, outer_step: int, sha256: str, donors: Optional[list[str]] = None,

@@ -10,7 +10,8 @@ downloaded from a peer), `round_hashes` (the state's hash, swarm/statehash.py, a
 `initial_eval_loss`, `train_loss` and `eval_loss` (per committed round), `compute_s`, `comm_s`,
 `wait_s` (with diloco.delay: the time inner steps stopped for an exchange that ran behind them; comm_s then
 runs in the background), `overhead_s`, `bytes_sent`, `bytes_received` (all-reduce payload, totals),
-`peak_rss_bytes` (the peer process's peak resident memory, read by the peer itself) and `rounds` (every
+`peak_rss_bytes` (the peer process's peak resident memory, read by the peer itself), `peak_device_bytes` (the
+most its tensors held on its CUDA device; 0 on CPU) and `rounds` (every
 round record, discarded ones included, with its own byte counts and `overhead_s`: the round's time outside
 inner steps and matchmaking + all-reduce).
 """
@@ -24,6 +25,8 @@ import resource
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+import torch
+
 from swarm.history import PeerHistory, RoundRecord
 
 METRICS_COLUMNS = ["time", "round", "committed", "inner_step", "train_loss", "eval_loss", "tokens_per_s", "compute_s",
@@ -34,6 +37,11 @@ METRICS_COLUMNS = ["time", "round", "committed", "inner_step", "train_loss", "ev
 def peak_rss_bytes() -> int:
     """This process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peak_device_bytes() -> int:
+    """The most memory this process's tensors held on its CUDA device so far (0 where it used none)."""
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else 0
 
 
 def peer_summary(history: PeerHistory, nproc: int = 1) -> dict[str, Any]:
@@ -55,6 +63,7 @@ def peer_summary(history: PeerHistory, nproc: int = 1) -> dict[str, Any]:
         "wait_s": sum(r.wait_s for r in history.rounds),
         "overhead_s": sum(r.overhead_s for r in history.rounds),
         "peak_rss_bytes": peak_rss_bytes(),
+        "peak_device_bytes": peak_device_bytes(),
         "bytes_sent": sum(r.bytes_sent for r in history.rounds),
         "bytes_received": sum(r.bytes_received for r in history.rounds),
         "data": history.data,

@@ -14,12 +14,14 @@ step are the step of the rows). A row block of a row-major tensor is a contiguou
 (`Layout.span`), so the canonical layout of the state (the full tensors, in the model's order) is the same for
 every K: peers of any K, sharded or not, average together and commit the same bytes.
 
-The exchange: rank 0 stays the peer's one swarm endpoint (swarm/ranks.py). At an exchange's launch the ranks
-`gather` the fragment's pseudo-gradient to rank 0 one tensor at a time (node-local transfer), rank 0 averages
-it with the swarm, and at the settle it `scatter`s the average back, one tensor at a time, so that each rank
-takes the outer step on its own rows. Rank 0 holds, while an exchange is in flight, the full pseudo-gradient of
-the fragment and its average (8 bytes per parameter of the fragment: `diloco.fragments` F cuts it to 1/F);
-no rank ever holds the full global parameters, momentum or moments.
+The exchange: rank 0 stays the peer's one swarm endpoint (swarm/ranks.py), and the vectors it averages pass
+through two node-local files (`NodeFile`, the canonical layout of the whole tensors): at an exchange's launch
+every rank writes its rows of the pseudo-gradient into one, rank 0 averages it with the swarm chunk by chunk,
+reading the chunks from that file and writing the average's into the other, and at the settle every rank reads
+its own rows of the average back and takes the outer step on them. Everything goes through pread/pwrite, never a
+mapping, so the vectors sit in the page cache (once per node; the kernel may write them back to the peer's
+folder and evict them) and no rank holds more of them than the chunks in flight: rank 0's peak is the other
+ranks' (bench/results/README.md section 10). No rank ever holds the full global parameters, momentum or moments.
 
 The state's hash (swarm/statehash.py: global parameters, outer momentum, rounds closed) is the same as an
 unsharded peer's: `sha256` is the same sha256 over the same bytes of the global parameters and momentum, rank 0
@@ -35,7 +37,9 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
@@ -43,6 +47,7 @@ import torch.distributed as dist
 
 from swarm.errors import UsageError
 from swarm.statehash import tensor_bytes
+from swarm.tensors import Buffers
 
 BLOCK_LISTS = ("layers", "h", "blocks")  # attribute names of a model's list of transformer blocks
 MMAP_THRESHOLD = 1 << 16  # bytes: glibc serves larger allocations from mmap, returned to the kernel when freed
@@ -133,23 +138,85 @@ def local_params(model: torch.nn.Module) -> list[torch.Tensor]:
         return [p.to_local() for p in model.parameters() if p.requires_grad]
 
 
+class NodeFile:
+    """The whole tensors of `layout`, fp32, one after another in one file that every rank of the peer holds open.
+    Rank 0 creates it and removes its name once every rank has it open (a collective), so that nothing is left in
+    the folder when the peer ends, however it ends; the bytes live in the page cache meanwhile."""
+
+    def __init__(self, path: Path, layout: Layout, group: Any = None):
+        self.layout, self.starts, total = layout, [], 0
+        for n in layout.numels:
+            self.starts.append(total)
+            total += n
+        if layout.rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.ftruncate(self.fd, 4 * total)
+        dist.barrier(group=group)
+        if layout.rank != 0:
+            self.fd = os.open(path, os.O_RDWR)
+        dist.barrier(group=group)
+        if layout.rank == 0:
+            os.unlink(path)
+
+    def write(self, index: int, start: int, values: torch.Tensor) -> None:
+        """Flat elements [start, start + len(values)) of tensor `index` <- `values`."""
+        data = memoryview(values.detach().to("cpu", torch.float32).contiguous().numpy()).cast("B")
+        at, done = 4 * (self.starts[index] + start), 0
+        while done < len(data):
+            done += os.pwrite(self.fd, data[done:], at + done)
+
+    def read(self, index: int, start: int, end: int) -> torch.Tensor:
+        """Flat elements [start, end) of tensor `index`, a fresh fp32 CPU tensor."""
+        out = torch.empty(end - start, dtype=torch.float32)
+        view, at, done = memoryview(out.numpy()).cast("B"), 4 * (self.starts[index] + start), 0
+        while done < len(view):
+            got = os.preadv(self.fd, [view[done:]], at + done)
+            if got == 0:
+                raise RuntimeError(f"the exchange file ends before element {start + done // 4} of tensor {index}")
+            done += got
+        return out
+
+    def vector(self, indices: Sequence[int]) -> NodeVector:
+        return NodeVector(self, indices)
+
+
+class NodeVector(Buffers):
+    """Tensors `indices` of a `NodeFile` (a fragment's), as the buffers an average is written into."""
+
+    def __init__(self, file: NodeFile, indices: Sequence[int]):
+        self.file, self.indices, self.tensors = file, list(indices), []
+        self.shapes = [file.layout.shapes[i] for i in self.indices]
+
+    def write(self, index: int, start: int, values: torch.Tensor) -> None:
+        self.file.write(self.indices[index], start, values)
+
+    def read(self, index: int, start: int, end: int) -> torch.Tensor:
+        return self.file.read(self.indices[index], start, end)
+
+
 class Shards:
     """The collectives between the ranks of a sharded peer, over `layout`: one tensor at a time, on the CPU
-    (gloo) group of swarm/ranks.py."""
+    (gloo) group of swarm/ranks.py; and the exchange's two node-local files in `folder` (`given`: the
+    pseudo-gradient, `average`: what the swarm averaged; module docstring)."""
 
-    def __init__(self, layout: Layout, group: Any = None):
+    def __init__(self, layout: Layout, group: Any = None, folder: Optional[Path] = None):
         self.layout, self.group = layout, group
+        self.given = NodeFile(folder / "exchange-given.f32", layout, group) if folder is not None else None
+        self.average = NodeFile(folder / "exchange-average.f32", layout, group) if folder is not None else None
 
     @classmethod
-    def of(cls, model: torch.nn.Module, rank: int, world_size: int, group: Any = None) -> Shards:
-        """The layout of a model `shard_model` sharded (checked against the shards FSDP gave this rank)."""
+    def of(cls, model: torch.nn.Module, rank: int, world_size: int, group: Any, folder: Path) -> Shards:
+        """The layout of a model `shard_model` sharded over `world_size` ranks (checked against the shards FSDP
+        gave this rank), with the exchange files in `folder`: every rank at once, `group` their CPU process group
+        (a collective makes the files)."""
         full = [p for p in model.parameters() if p.requires_grad]
         layout = Layout(tuple(p.shape for p in full), world_size, rank)
         for i, local in enumerate(local_params(model)):
             if local.shape != layout.local_shape(i):
                 raise RuntimeError(f"FSDP gave rank {rank} a shard {list(local.shape)} of parameter {i} "
                                    f"{list(full[i].shape)}, expected {list(layout.local_shape(i))}")
-        return cls(layout, group)
+        return cls(layout, group, folder)
 
     @property
     def root(self) -> bool:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from typing import Callable, Sequence
+
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
@@ -26,3 +29,37 @@ def dtype_of(name: str) -> torch.dtype:
 def byte_view(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a flat uint8 view (any device), for writing received bytes in place."""
     return t.detach().reshape(-1).view(torch.uint8)
+
+
+class Buffers:
+    """fp32 vectors by tensor index, written and read by flat element span: where an average lands. In memory (the
+    tensors given), or a sharded peer's node-local file (swarm/sharding.py `NodeVector`), so that a writer that
+    goes chunk by chunk (the all-reduce) never needs the whole vector in one process."""
+
+    PIECE = 1 << 22  # elements copied at a time by `fill`
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        self.tensors = list(tensors)
+        self.shapes = [t.shape for t in self.tensors]
+
+    @classmethod
+    def of(cls, out: Sequence[torch.Tensor] | Buffers) -> Buffers:
+        return out if isinstance(out, Buffers) else cls(out)
+
+    def numel(self, index: int) -> int:
+        return math.prod(self.shapes[index])
+
+    def write(self, index: int, start: int, values: torch.Tensor) -> None:
+        """Elements [start, start + len(values)) of tensor `index` <- `values`."""
+        self.tensors[index].detach().view(-1)[start:start + values.numel()].copy_(values)
+
+    def read(self, index: int, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of tensor `index`, as fp32 on the CPU."""
+        return self.tensors[index].detach().view(-1)[start:end].float().cpu()
+
+    def fill(self, read: Callable[[int, int, int], torch.Tensor]) -> None:
+        """Every tensor <- `read(index, start, end)` (a pseudo-gradient's), a piece at a time."""
+        for i in range(len(self.shapes)):
+            n = self.numel(i)
+            for start in range(0, n, self.PIECE):
+                self.write(i, start, read(i, start, min(n, start + self.PIECE)))

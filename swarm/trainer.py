@@ -63,7 +63,8 @@ class Trainer(TrainerState):
         self.model = build_model(cfg.model, corpus.tokenizer.vocab_size, cfg.data.tokenizer).to(self.device)
         # inner.parallel fsdp over K > 1 ranks: FSDP2 shards the model, and DiLoCo holds this rank's rows only
         sharded = shard_model(self.model, cfg.inner.parallel, ranks.world_size)
-        shards = Shards.of(self.model, ranks.rank, ranks.world_size, ranks.cpu_group) if sharded else None
+        shards = Shards.of(self.model, ranks.rank, ranks.world_size, ranks.cpu_group, out_dir / "shards") \
+            if sharded else None
         self.diloco = DiLoCo(self.model, cfg.outer, cfg.diloco.global_device, cfg.diloco.mix_alpha, shards)
         self.fragments = Fragments(self.diloco, cfg.diloco)  # the exchanges' schedule (one fragment: the round's)
         self.exchange: Optional[Exchange] = None  # the exchange in flight (diloco.delay): never more than one
@@ -165,7 +166,7 @@ class Trainer(TrainerState):
         self.history.data = self.data.report()
         self.catch_up()
         if self.history.initial_eval_loss is None:
-            self.history.initial_eval_loss = evaluate(self.model, self.eval_batches, self.device, self.precision)
+            self.history.initial_eval_loss = self._eval()
             self.last_eval = (self.diloco.round, self.history.initial_eval_loss)
             log.info("round %d: eval loss %.4f (before training)", self.diloco.round, self.history.initial_eval_loss)
 
@@ -348,18 +349,22 @@ class Trainer(TrainerState):
             with torch.no_grad():
                 self.diloco.params[0].fill_(float("nan"))
 
+    def _eval(self) -> float:
+        """Held-out loss of the local model, in micro-batches of `inner.micro_batch_size` like an inner step."""
+        return evaluate(self.model, self.eval_batches, self.device, self.precision, self.cfg.inner.micro_batch_size)
+
     @torch.no_grad()
     def _evaluate_global(self, local_differs: bool) -> float:
         """Held-out loss of the global parameters (what the swarm committed). After a blocking outer step the local
         model is them; after a delayed one it also holds the inner steps taken since (swarm/overlap.py), and with
         fragments those taken since the other fragments landed: it is then set aside meanwhile."""
         if not local_differs:
-            return evaluate(self.model, self.eval_batches, self.device, self.precision)
+            return self._eval()
         local = [p.detach().clone() for p in self.diloco.params]
         for p, g in zip(self.diloco.params, self.diloco.global_params):
             p.copy_(g)
         try:
-            return evaluate(self.model, self.eval_batches, self.device, self.precision)
+            return self._eval()
         finally:
             for p, saved in zip(self.diloco.params, local):
                 p.copy_(saved)

@@ -9,7 +9,7 @@ import torch
 from swarm.averaging import SoloAverager
 from swarm.config import ConfigError
 from swarm.configfile import load_config
-from swarm.inner import autocast
+from swarm.inner import autocast, evaluate
 from swarm.trainer import Trainer
 from tests.conftest import ROOT, resumed_after, tiny_config
 
@@ -30,6 +30,24 @@ def test_micro_batches_take_the_step_one_big_batch_takes(tmp_path):
     moved = max((p - g.to(p)).abs().max().item() for p, g in zip(whole.model.parameters(),
                                                                  whole.diloco.global_params))
     assert moved > 1e-3  # the steps changed the weights: the comparison above is not vacuous
+
+
+@pytest.mark.timeout(60)
+def test_evaluation_runs_in_micro_batches_and_its_largest_tensor_is_one_micro_batch_s(tmp_path):
+    """The largest tensor an eval makes is the logits of one pass (tokens x vocabulary); under
+    `inner.micro_batch_size` it is one micro-batch's, and the loss is the whole batch's."""
+    cfg = tiny_config(data={"batch_size": 8}, inner={"micro_batch_size": 2})
+    trainer, _ = _train_steps(cfg, tmp_path, "peer", 0)
+    largest = []
+    hook = trainer.model.get_output_embeddings().register_forward_hook(
+        lambda module, args, logits: largest.append(logits.numel()))
+    whole = evaluate(trainer.model, trainer.eval_batches, "cpu")
+    by_whole_batch, largest[:] = max(largest), []
+    micro = evaluate(trainer.model, trainer.eval_batches, "cpu", micro_batch_size=2)
+    hook.remove()
+    vocab, seq_len = trainer.model.config.vocab_size, cfg.data.seq_len
+    assert max(largest) <= 2 * seq_len * vocab < by_whole_batch == 8 * seq_len * vocab
+    assert micro == pytest.approx(whole, rel=1e-6)
 
 
 @pytest.mark.timeout(60)

@@ -124,8 +124,9 @@ class Offenses:
     def excluded(self, peer: PeerID, round: int) -> bool:
         return not self.access.seats(peer) or (round == self.round and str(peer) in self.proven | self.unproven)
 
-    def exclude(self, group: Group, round: int) -> Group:
-        """`group` without the offenders, under a new id if any was dropped; NoGroup if only we remain."""
+    def exclude(self, group: Group, round: int) -> tuple[Group, frozenset[str]]:
+        """`group` without the offenders (under a new id if any was dropped) and the ids of those dropped; NoGroup
+        if only we remain."""
         out = [i for i, p in enumerate(group.members) if self.excluded(p, round)]
         keep = [i for i in range(len(group.members)) if i not in out]
         back = [i for i in out if self.access.seats(group.members[i]) and str(group.members[i]) not in self.proven]
@@ -136,12 +137,12 @@ class Offenses:
             out = [i for i in out if i not in back]
             keep = sorted([*keep, *back])
         if not out:
-            return group
+            return group, frozenset()
         dropped = [str(group.members[i]) for i in out]
         logger.warning(f"round {round + 1}: leaving out offenders {dropped}")
         if len(keep) < 2:
             raise NoGroup(f"only offenders {dropped} in our group", alone=False, left=group)
-        return without(group, frozenset(dropped))
+        return without(group, frozenset(dropped)), frozenset(dropped)
 
 
 def without(group: Group, dropped: frozenset[str]) -> Group:

@@ -14,6 +14,7 @@ from swarm.diloco import PseudoGradient
 from swarm.net.allreduce import WireLayout
 from swarm.net.matchmaking import Group
 from swarm.net.wire import Traffic
+from swarm.tensors import Buffers
 
 
 @dataclass
@@ -23,7 +24,7 @@ class Averaging:
     outer_step: int
     pseudo_grad: PseudoGradient
     samples: int
-    out: Sequence[torch.Tensor]
+    out: Sequence[torch.Tensor] | Buffers
     base: str
     full: WireLayout  # the whole vector, one owner: its size and wire bytes
     meta: dict  # our matchmaking metadata
@@ -41,8 +42,7 @@ class Averaging:
 
     def alone(self) -> RoundOutcome:
         """Our own pseudo-gradient as the round's average."""
-        for i, o in enumerate(self.out):
-            o.copy_(self.pseudo_grad.read(i, 0, o.numel()).view(o.shape))
+        Buffers.of(self.out).fill(self.pseudo_grad.read)
         return RoundOutcome(self.out, total_samples=self.samples, comm_s=self.elapsed(), note="alone")
 
     def averaged(self, group: Group, traffic: Traffic, allreduce_s: float) -> RoundOutcome:

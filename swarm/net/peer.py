@@ -63,6 +63,7 @@ from swarm.net.outcome import Averaging
 from swarm.net.records import Records
 from swarm.net.statesync import StateForged, StateRefused, StateServer, download
 from swarm.net.wire import Traffic, WireError
+from swarm.tensors import Buffers
 
 logger = logging.getLogger(__name__)
 
@@ -152,8 +153,8 @@ class SwarmAverager(Averager):
 
     # ---- averaging: assess -> form a group -> reduce -> decide, until the round's deadline ---------------
 
-    def average(self, outer_step: int, pseudo_grad: PseudoGradient, samples: int, out: Sequence[torch.Tensor],
-                base: str = "") -> RoundOutcome:
+    def average(self, outer_step: int, pseudo_grad: PseudoGradient, samples: int,
+                out: Sequence[torch.Tensor] | Buffers, base: str = "") -> RoundOutcome:
         if not pseudo_grad.is_finite():
             return RoundOutcome(None, note="the local pseudo-gradient is not finite; not sent")
         job = self._begin(outer_step, pseudo_grad, samples, out, base)
@@ -171,8 +172,8 @@ class SwarmAverager(Averager):
                 group = self._regroup(group)
         return job.discarded()
 
-    def _begin(self, outer_step: int, pseudo_grad: PseudoGradient, samples: int, out: Sequence[torch.Tensor],
-               base: str) -> Averaging:
+    def _begin(self, outer_step: int, pseudo_grad: PseudoGradient, samples: int,
+               out: Sequence[torch.Tensor] | Buffers, base: str) -> Averaging:
         """The call's bounds and metadata; announce that we are ready for this outer step."""
         full = WireLayout(pseudo_grad.shapes, self._codec, 1)
         chunk = chunk_elements(self.cfg.stall_timeout, self.cfg.min_bandwidth)
@@ -206,8 +207,8 @@ class SwarmAverager(Averager):
             group = self.matchmaker.form_group(
                 job.outer_step, self.hooks.meta(job.meta), timeout=min(left, 2 * self.cfg.matchmaking_time),
                 expected=position.expected_group if self.averaged_once else None)
-            if (kept := self.offenses.exclude(group, job.outer_step)) is not group:  # first: their meta is unread
-                dropped = {str(p) for p in group.members} - {str(p) for p in kept.members}
+            kept, dropped = self.offenses.exclude(group, job.outer_step)  # first: their meta is unread
+            if dropped:
                 self._abandon(group, "offenders left out", dropped)  # whoever runs it; `_regroup` on their side
                 group = kept
             return on_majority_base(group, job.base)

@@ -20,14 +20,14 @@ def group(n: int, **meta) -> Group:
 def test_an_offender_is_left_out_this_round_and_banned_after_two():
     offenses = grouping.Offenses(Access())
     g = group(4)
-    assert offenses.exclude(g, round=0) is g
+    assert offenses.exclude(g, round=0) == (g, frozenset())
     offenses.record(peer(2), round=0, reason="NaN")
-    kept = offenses.exclude(g, round=0)
-    assert kept.members == [peer(0), peer(1), peer(3)] and len(kept.metas) == 3
+    kept, dropped = offenses.exclude(g, round=0)
+    assert kept.members == [peer(0), peer(1), peer(3)] and len(kept.metas) == 3 and dropped == {str(peer(2))}
     assert kept.group_id != g.group_id
-    assert offenses.exclude(g, round=1) is g  # one offense: back in the next round
+    assert offenses.exclude(g, round=1) == (g, frozenset())  # one offense: back in the next round
     offenses.record(peer(2), round=1, reason="NaN again")
-    assert peer(2) not in offenses.exclude(g, round=5).members  # two: out for the run
+    assert peer(2) not in offenses.exclude(g, round=5)[0].members  # two: out for the run
 
 
 def test_an_unproven_culprit_is_taken_back_at_the_next_attempt_a_proven_one_is_not():
@@ -38,9 +38,9 @@ def test_an_unproven_culprit_is_taken_back_at_the_next_attempt_a_proven_one_is_n
     offenses.begin(0)
     offenses.record(peer(1), round=0, reason="went silent", proven=False)
     offenses.record(peer(2), round=0, reason="NaN")
-    assert offenses.exclude(g, round=0).members == [peer(0), peer(3)]
+    assert offenses.exclude(g, round=0)[0].members == [peer(0), peer(3)]
     offenses.begin(0)  # the round was discarded: its retry
-    assert offenses.exclude(g, round=0).members == [peer(0), peer(1), peer(3)]
+    assert offenses.exclude(g, round=0)[0].members == [peer(0), peer(1), peer(3)]
     assert [e["event"] for e in offenses.access.events].count("offense") == 1
 
 
@@ -52,17 +52,17 @@ def test_unproven_culprits_are_taken_back_when_nobody_else_is_left():
     offenses.begin(0)
     offenses.record(peer(1), round=0, reason="nothing arrived for 10 s", proven=False)
     offenses.record(peer(2), round=0, reason="NaN")
-    assert offenses.exclude(group(2), round=0).members == [peer(0), peer(1)]  # peer 1 back
-    assert offenses.exclude(group(4), round=0).members == [peer(0), peer(1), peer(3)]  # still out: peer 2
+    assert offenses.exclude(group(2), round=0)[0].members == [peer(0), peer(1)]  # peer 1 back
+    assert offenses.exclude(group(4), round=0)[0].members == [peer(0), peer(1), peer(3)]  # still out: peer 2
     offenses.record(peer(1), round=0, reason="went silent again", proven=False)
-    assert offenses.exclude(group(4), round=0).members == [peer(0), peer(3)]  # others to average with
+    assert offenses.exclude(group(4), round=0)[0].members == [peer(0), peer(3)]  # others to average with
 
 
 def test_peers_that_caught_the_same_offender_agree_on_the_new_group_id():
     a, b = grouping.Offenses(Access()), grouping.Offenses(Access())
     for o in (a, b):
         o.record(peer(1), round=3, reason="bad length")
-    assert a.exclude(group(3), 3).group_id == b.exclude(group(3), 3).group_id
+    assert a.exclude(group(3), 3)[0].group_id == b.exclude(group(3), 3)[0].group_id
 
 
 def names(*ids: int) -> frozenset[str]:
@@ -98,7 +98,7 @@ def test_an_adopted_group_has_the_id_of_those_that_left_the_offender_out():
     offenses = grouping.Offenses(Access())
     g = group(4)
     offenses.record(peer(3), round=0, reason="NaN")
-    theirs = offenses.exclude(g, round=0)
+    theirs = offenses.exclude(g, round=0)[0]
     ours = grouping.without(g, names(3))
     assert (ours.group_id, ours.members, ours.metas) == (theirs.group_id, theirs.members, theirs.metas)
 
@@ -121,7 +121,7 @@ def test_memory_of_offenders_is_bounded(monkeypatch):
 
 def test_strangers_to_a_private_swarm_are_left_out():
     offenses = grouping.Offenses(Access(frozenset(str(peer(i)) for i in (0, 1, 3))))
-    kept = offenses.exclude(group(4), round=0)
+    kept, _ = offenses.exclude(group(4), round=0)
     assert kept.members == [peer(0), peer(1), peer(3)]
     assert [e["event"] for e in offenses.access.events] == []  # a stranger is refused, not an offender
 
@@ -146,5 +146,5 @@ def test_a_banned_members_garbage_base_is_never_read():
     offenses.record(peer(2), round=0, reason="garbage")
     offenses.record(peer(2), round=0, reason="garbage")
     g = Group(b"g" * 16, [peer(i) for i in range(3)], [{"base": "a"}, {"base": "a"}, {"base": ["x"]}])
-    kept = grouping.on_majority_base(offenses.exclude(g, round=1), "a")
+    kept = grouping.on_majority_base(offenses.exclude(g, round=1)[0], "a")
     assert kept.members == [peer(0), peer(1)]

@@ -84,8 +84,8 @@ def test_a_group_member_without_proven_identity_is_left_out():
     access = Access()
     offenses = grouping.Offenses(access)
     group = Group(b"g" * 16, ids, [{} for _ in ids])
-    assert offenses.exclude(group, 0) is group  # identity_work 0: nobody's proof is asked for
+    assert offenses.exclude(group, 0) == (group, frozenset())  # identity_work 0: nobody's proof is asked for
     access.prove({str(ids[0]), str(ids[1])})
-    kept = offenses.exclude(group, 0)
-    assert kept.members == ids[:2] and kept.group_id != group.group_id
+    kept, dropped = offenses.exclude(group, 0)
+    assert kept.members == ids[:2] and kept.group_id != group.group_id and dropped == {str(ids[2])}
     assert [e["event"] for e in access.events] == ["unproven"] and access.events[0]["peer_id"] == str(ids[2])

@@ -19,6 +19,7 @@ from swarm.errors import SwarmError
 from swarm.net.allreduce.layout import WireLayout
 from swarm.net.allreduce.robust import Rule, cap_weights
 from swarm.net.wire import Traffic
+from swarm.tensors import Buffers
 
 WINDOW = 2
 """Chunks an owner reads ahead of the slowest member's results: its memory for contributions is at most
@@ -87,8 +88,11 @@ class Contribution:
 
     read: Callable[[int, int, int], torch.Tensor]  # (tensor, start, end) -> fp32 CPU elements of its vector
     weight: float
-    out: Sequence[torch.Tensor]  # the weighted mean is written here, in place, chunk by chunk
+    out: Sequence[torch.Tensor] | Buffers  # the weighted mean is written here, in place, chunk by chunk
     residual: Optional[Sequence[torch.Tensor]] = None  # zeroed; gets what quantization dropped from `read`
+
+    def __post_init__(self) -> None:
+        self.out = Buffers.of(self.out)
 
 
 class GroupState:
@@ -153,7 +157,7 @@ class GroupState:
 
     def read_out(self, tensor: int, start: int, end: int) -> torch.Tensor:
         """Elements of the average this member holds (for a groupmate's repair)."""
-        return self.mine.out[tensor].detach().view(-1)[start:end].float().cpu()
+        return self.mine.out.read(tensor, start, end)
 
     def window_end(self) -> float:
         return min(self.delivered) + WINDOW

@@ -25,7 +25,7 @@ import torch
 
 from swarm.net.budget import CHUNK_ELEMENTS
 from swarm.net.codec import EXACT, FP32_BELOW, Codec, CodecError
-from swarm.tensors import all_finite
+from swarm.tensors import Buffers, all_finite
 
 
 def part_bounds(numel: int, n: int) -> list[tuple[int, int]]:
@@ -123,16 +123,16 @@ def gather(read: Callable[[int, int, int], torch.Tensor], chunk: Chunk) -> torch
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-def scatter(tensors: Sequence[torch.Tensor], chunk: Chunk, values: torch.Tensor) -> None:
-    """Write a chunk's elements into `tensors` (in place; any device and dtype)."""
-    offset = 0
+def scatter(out: Sequence[torch.Tensor] | Buffers, chunk: Chunk, values: torch.Tensor) -> None:
+    """Write a chunk's elements into `out` (tensors, in place, of any device and dtype; or buffers)."""
+    out, offset = Buffers.of(out), 0
     for s in chunk.spans:
         n = s.end - s.start
-        tensors[s.tensor].detach().view(-1)[s.start:s.end].copy_(values[offset:offset + n])
+        out.write(s.tensor, s.start, values[offset:offset + n])
         offset += n
 
 
-def decode_into(out: Sequence[torch.Tensor], chunk: Chunk, codec: Codec, payload: bytes | bytearray) -> None:
+def decode_into(out: Sequence[torch.Tensor] | Buffers, chunk: Chunk, codec: Codec, payload: bytes | bytearray) -> None:
     """Decode an average of `chunk` into `out`; CodecError if it is not finite (nothing is written then)."""
     values = codec.decode(payload, chunk.numel)
     if not all_finite(values):

@@ -124,7 +124,7 @@ class GroupSlots:
             if group_id not in self._left_outs:
                 self._left_outs[group_id] = {}
                 asyncio.get_running_loop().call_later(self.stall, self._left_outs.pop, group_id, None)
-            self._left_outs[group_id][str(peer)] = named = frozenset(d[:100] for d in dropped)
+            self._left_outs[group_id][str(peer)] = named = frozenset(dropped)
             if group_id in self._regrouped and named != self._regrouped[group_id]:
                 self._decline(group_id, named)  # it came after we chose
             async with self._told:
