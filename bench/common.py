@@ -30,6 +30,21 @@ def results_dir(quick: bool) -> Path:
 TINY_YAML = REPO / "configs" / "tiny.yaml"
 
 
+def commit() -> str:
+    """The commit the benchmarks run on: `SWARM_COMMIT` where the tree has no git (a copy sent to a GPU host), else
+    git's HEAD, marked "+changes" when tracked files differ from it (such a table is not from one commit)."""
+    if os.environ.get("SWARM_COMMIT"):
+        return os.environ["SWARM_COMMIT"]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                              cwd=REPO, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=REPO, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+changes" if dirty else "")
+
+
 def stamp() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 

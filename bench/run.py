@@ -3,8 +3,9 @@ bench/results/README.md (one markdown table per benchmark), and print the tables
 same files under runs/bench-quick/ instead, so it never replaces the committed full-run results.
 
 Each benchmark is a module `bench/<name>.py` with `run(quick: bool) -> dict` holding a markdown 'table'
-(a `main`/`run` without arguments, or returning something else, is adapted). A module that is absent is
-skipped with a note; one that fails is recorded with its error and the suite goes on.
+(a `main`/`run` without arguments, or returning something else, is adapted). A module that is absent, or that
+sets `NEEDS_CUDA` on a machine without CUDA, is skipped with a note (its committed results stay); one that
+fails is recorded with its error and the suite goes on.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import time
 import traceback
 from pathlib import Path
 
-from bench.common import results_dir, stamp
+import torch
+
+from bench.common import commit, results_dir, stamp
 
 MODULES = ["convergence", "traffic", "utilization", "overhead", "allreduce", "scale", "compression", "hostile", "data",
-           "churn", "shards"]
+           "churn", "shards", "gpu"]
 TITLES = {"convergence": "1. Convergence (DiLoCo Table 2 shape)", "traffic": "2. Traffic per round",
           "utilization": "3. Compute utilization of a real swarm",
           "overhead": "4. Overhead: swarm peer --solo vs plain PyTorch",
@@ -33,7 +36,8 @@ TITLES = {"convergence": "1. Convergence (DiLoCo Table 2 shape)", "traffic": "2.
           "hostile": "7. Hostile peers: one attacker in a local swarm of 4",
           "data": "8. Prepared corpora: prepare, a peer's memory and start-up, the loader",
           "churn": "9. Churn soak: peers killed -9 and restarted, newcomers, and where the finishers end",
-          "shards": "10. Sharded peers (inner.parallel fsdp): peak memory per rank"}
+          "shards": "10. Sharded peers (inner.parallel fsdp): peak memory per rank",
+          "gpu": "11. On one GPU: the 150M recipe against plain PyTorch, and two peers sharing the GPU"}
 
 
 def call(name: str, quick: bool) -> dict:
@@ -93,7 +97,8 @@ def write_readme(results: Path) -> str:
         result = json.loads(path.read_text())
         mode = "quick" if result.get("quick") else "full"
         parts.append(f"## {TITLES.get(name, name)}\n\n_{mode} run, {result.get('started')}, "
-                     f"{result.get('wall_s', 0):.0f} s_\n\n{result['table']}\n")
+                     f"{result.get('wall_s', 0):.0f} s, commit {result.get('commit', 'not recorded')}_\n\n"
+                     f"{result['table']}\n")
     text = "\n".join(parts)
     (results / "README.md").write_text(text)
     return text
@@ -112,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         if importlib.util.find_spec(f"bench.{name}") is None:
             print(f"== {name}: skipped, bench/{name}.py does not exist (yet)", flush=True)
             continue
+        if getattr(importlib.import_module(f"bench.{name}"), "NEEDS_CUDA", False) and not torch.cuda.is_available():
+            print(f"== {name}: skipped, it needs a CUDA device (its committed results stay)", flush=True)
+            continue
         print(f"== {name} ({'quick' if args.quick else 'full'})", flush=True)
         started, start = stamp(), time.time()
         try:
@@ -120,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             failed.append(name)
             result = {"table": f"**failed**: `{type(e).__name__}: {e}`", "error": traceback.format_exc()}
-        result.update(name=name, quick=args.quick, started=started, finished=stamp(), wall_s=time.time() - start)
+        result.update(name=name, quick=args.quick, started=started, finished=stamp(), wall_s=time.time() - start,
+                      commit=commit())
         (results / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
         print(f"{result['table']}\n({name}: {result['wall_s']:.0f} s)\n", flush=True)
     write_readme(results)

@@ -97,8 +97,9 @@ def run(quick: bool) -> dict:
     table += (f"\n\n{params / 1e6:.1f}M parameters, training state {state / 2**20:.0f} MiB (24 bytes per parameter); "
               f"per-process constant (a rank of a 2-rank peer of a 30k-parameter model) {constant / 2**20:.0f} MiB. "
               f"One `swarm peer --solo --inner.parallel fsdp` per K: 1 round of 2 inner steps, batch 4 x 64 tokens, "
-              f"1 torch thread per rank on 2 shared cores. Rank 0's extra is the exchange's whole pseudo-gradient "
-              f"and average (8 bytes per parameter; 1/F with diloco.fragments F).")
+              f"1 torch thread per rank on 2 shared cores. The exchange passes through two node-local files (the "
+              f"pseudo-gradient, the average: swarm/sharding.py), read and written a chunk at a time, so rank 0 "
+              f"holds no more than the others (the files' pages are the page cache's, not a process's).")
     table += "\n\n" + md_table(
         ["`swarm export` of the 2-rank checkpoint", "peak RSS, MiB", "over the constant, MiB", "global parameters, MiB",
          "largest tensor, MiB"],
