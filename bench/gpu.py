@@ -77,7 +77,9 @@ def swarm(args: list[str], out: Path, timeout: float) -> dict:
     done = subprocess.run([sys.executable, "-m", "swarm.cli", *args, "--config", str(RECIPE), *SHRUNK,
                            "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
-        raise RuntimeError(f"swarm {args[0]} exited {done.returncode}: {done.stderr.strip()[-2000:]}")
+        logs = "".join(f"\n--- {p.relative_to(out)}:\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:])
+                       for p in sorted([*out.glob("*.log"), *out.glob("*/log.txt")]))
+        raise RuntimeError(f"swarm {args[0]} exited {done.returncode}: {done.stderr.strip()[-1500:]}{logs}")
     summary = json.loads((out / "summary.json").read_text())
     summary["process_wall_s"] = time.perf_counter() - start
     return summary
@@ -95,8 +97,11 @@ def run(quick: bool) -> dict:
         base = plain(steps)
         solo = swarm(["peer", "--solo", "--diloco.inner_steps", str(h), "--diloco.rounds", str(rounds),
                       "--diloco.delay", "0"], Path(tmp) / "solo", timeout=900)
-        pair = swarm(["local", "--peers", "2", "--diloco.inner_steps", str(h), "--diloco.rounds", str(rounds)],
-                     Path(tmp) / "pair", timeout=900)
+        try:
+            pair, pair_error = swarm(["local", "--peers", "2", "--diloco.inner_steps", str(h), "--diloco.rounds",
+                                      str(rounds)], Path(tmp) / "pair", timeout=900), None
+        except RuntimeError as e:  # the single-peer figures stand without it
+            pair, pair_error = {"peers": [], "config": solo["config"]}, str(e)
     gib = 2 ** 30
     peer = solo["peers"][0]
     solo_rounds = steady(peer["rounds"])
@@ -117,6 +122,8 @@ def run(quick: bool) -> dict:
                           f"{p['peak_device_bytes'] / gib:.1f}", p["final_global_sha256"][:12]])
     cfg = pair["config"]
     table = md_table(["what", "tokens/s", "ratio to plain", "s per round outside inner steps", "peak GPU GiB"], rows)
+    if pair_error:
+        pair_rows.append([f"failed: {pair_error.splitlines()[0][:300]}", "-", "-", "-", "-", "-"])
     table += "\n\n" + md_table(["2 peers on one GPU: peer", "all-reduce MB/s received", "s waited per round",
                                 "s outside inner steps and exchange", "peak GPU GiB", "final hash"], pair_rows)
     table += (f"\n\nMeasured at commit {commit()} on {torch.cuda.get_device_name()} (torch {torch.__version__}): "
@@ -127,4 +134,5 @@ def run(quick: bool) -> dict:
               f"after the first (compilation, allocator warm-up). Both peers of the pair share the GPU, so each "
               f"trains at about half speed.")
     return {"table": table, "plain": base, "solo": {k: v for k, v in peer.items() if k != "events"},
-            "pair": [{k: v for k, v in p.items() if k != "events"} for p in pair["peers"]], "timestamp": stamp()}
+            "pair": [{k: v for k, v in p.items() if k != "events"} for p in pair["peers"]], "pair_error": pair_error,
+            "timestamp": stamp()}
