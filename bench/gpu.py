@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -102,8 +103,15 @@ def run(quick: bool) -> dict:
                                       str(rounds)], Path(tmp) / "pair", timeout=900), None
         except RuntimeError as e:  # the single-peer figures stand without it
             pair, pair_error = {"peers": [], "config": solo["config"]}, str(e)
+    device = f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
+    return report(base, solo["peers"][0], pair, pair_error, steps, h, rounds, device)
+
+
+def report(base: dict, peer: dict, pair: dict, pair_error: Optional[str], steps: int, h: int, rounds: int,
+           device: str, note: str = "") -> dict:
+    """The tables and the raw figures of one run on `device`: `base` from `plain`, `peer` the solo peer's summary,
+    `pair` the 2-peer swarm's summary.json (its `peers` empty if it failed, `pair_error` saying why)."""
     gib = 2 ** 30
-    peer = solo["peers"][0]
     solo_rounds = steady(peer["rounds"])
     inner_tps = sum(r["tokens_per_s"] * r["compute_s"] for r in solo_rounds) / sum(r["compute_s"] for r in solo_rounds)
     rows = [["plain PyTorch (fused AdamW)", f"{base['tokens_per_s']:,.0f}", "1.000", "-",
@@ -126,13 +134,13 @@ def run(quick: bool) -> dict:
         pair_rows.append([f"failed: {pair_error.splitlines()[0][:300]}", "-", "-", "-", "-", "-"])
     table += "\n\n" + md_table(["2 peers on one GPU: peer", "all-reduce MB/s received", "s waited per round",
                                 "s outside inner steps and exchange", "peak GPU GiB", "final hash"], pair_rows)
-    table += (f"\n\nMeasured at commit {commit()} on {torch.cuda.get_device_name()} (torch {torch.__version__}): "
+    table += (f"\n\nMeasured at commit {commit()} on {device}: "
               f"{base['params'] / 1e6:.0f}M parameters, batch {BATCH} x {cfg['data']['seq_len']} tokens in "
               f"micro-batches of {cfg['inner']['micro_batch_size']}, bf16 autocast; plain: {steps} steps, the first "
               f"{WARMUP} untimed; solo: {rounds} blocking rounds of H={h}; pair: {rounds} rounds of H={h}, "
               f"diloco.delay {cfg['diloco']['delay']}, swarm.compression {cfg['swarm']['compression']}; rounds "
               f"after the first (compilation, allocator warm-up). Both peers of the pair share the GPU, so each "
-              f"trains at about half speed.")
+              f"trains at about half speed.{note}")
     return {"table": table, "plain": base, "solo": {k: v for k, v in peer.items() if k != "events"},
             "pair": [{k: v for k, v in p.items() if k != "events"} for p in pair["peers"]], "pair_error": pair_error,
             "timestamp": stamp()}
