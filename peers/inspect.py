@@ -83,10 +83,11 @@ def dry_run(cfg: Config, out: Path, networked: bool, run: Optional[RunIdentity] 
           f"steps, delay {cfg.diloco.delay}, {cfg.diloco.fragments} fragment(s))")
     print(f"corpus: {corpus.prepared.folder} ({meta['train_tokens']} train and {meta['eval_tokens']} eval tokens, "
           f"sha256 {meta['sha256'][:16]})")
-    print(f"run folder: {out} (log.txt, metrics.csv, checkpoint/)")
+    files = "log.txt, metrics.csv, checkpoint/" + (", identity.key, ledger.json" if networked else "")
+    print(f"run folder: {out} ({files})")
     mine = run_identity(cfg, meta["sha256"])
     if networked:
-        _network(cfg)
+        _network(cfg, out)
     if run is not None and (difference := mine.first_difference(run)):
         raise SwarmError(f"run {cfg.swarm.run_id!r} would refuse this peer: {difference}")
     print(f"fingerprint: {mine.fingerprint}" + (" (the run's)" if run is not None else ""))
@@ -94,20 +95,19 @@ def dry_run(cfg: Config, out: Path, networked: bool, run: Optional[RunIdentity] 
     return 0
 
 
-def _network(cfg: Config) -> None:
+def _network(cfg: Config, out: Path) -> None:
     from swarm.net.addresses import unreachable_warning
     from swarm.net.dht import check_addresses
     from swarm.net.identity import load_identity
 
     s = cfg.swarm
     check_addresses(s)
-    if s.identity is None:
-        print("identity: a fresh key for this start (set swarm.identity to keep one peer id across restarts)")
-    elif Path(s.identity).exists():
-        print(f"identity: {s.identity} (peer id {load_identity(s.identity).peer_id})")
+    key = Path(s.identity) if s.identity is not None else out / "identity.key"  # as peers/node.py takes it
+    if key.exists():
+        print(f"identity: {key} (peer id {load_identity(str(key)).peer_id})")
     else:
-        _writable(Path(s.identity).parent, "swarm.identity")
-        print(f"identity: {s.identity} (created at start)")
+        _writable(key.parent, "swarm.identity")
+        print(f"identity: {key} (created at start)")
     print(f"listens on: {' '.join(s.host_maddrs)}" + (f", announces {' '.join(s.announce_maddrs)}"
                                                        if s.announce_maddrs else ""))
     announced = s.announce_maddrs or [m for m in s.host_maddrs if "/0.0.0.0/" not in m]

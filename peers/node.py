@@ -101,6 +101,7 @@ def _run_endpoint(cfg: Config, out_dir: Path, name: Optional[str], ranks: Ranks)
     from swarm.net.addresses import tcp_port, unreachable_warning
     from swarm.net.dht import start_dht, visible_maddrs
     from swarm.net.identity import load_identity, with_work
+    from swarm.net.ledger import Ledger
     from swarm.net.limits import raise_open_files
     from swarm.net.manifest import publish as publish_manifest
     from swarm.net.peer import SwarmAverager
@@ -115,7 +116,8 @@ def _run_endpoint(cfg: Config, out_dir: Path, name: Optional[str], ranks: Ranks)
     status.update(force=True, name=name, state="starting", round=0, step=0, loss=None)
 
     run = run_identity(cfg)  # prepares the corpus if it is not yet: its hash is part of the run
-    identity = with_work(load_identity(cfg.swarm.identity), cfg.swarm.identity_work)
+    # the key and the ledger stay in the peer's folder: a restart keeps its peer id and its weight (ledger.py)
+    identity = with_work(load_identity(cfg.swarm.identity or str(out_dir / "identity.key")), cfg.swarm.identity_work)
     dht = start_dht(cfg.swarm, identity, run=run)
     averager, trainer = None, None
     try:
@@ -132,7 +134,8 @@ def _run_endpoint(cfg: Config, out_dir: Path, name: Optional[str], ranks: Ranks)
         if warning := unreachable_warning(maddrs, cfg.swarm.client_mode):
             log.warning("%s", warning)
         print("\n".join(maddrs), flush=True)
-        averager = SwarmAverager(cfg.swarm, dht, identity, run.fingerprint, name, exchange_faults(cfg))
+        averager = SwarmAverager(cfg.swarm, dht, identity, run.fingerprint, name, exchange_faults(cfg),
+                                 Ledger(out_dir / "ledger.json"))
         ranks.share((name, peer_id))
         leases = None  # data.shard unset: the shard is leased through the DHT (swarm/net/leases.py)
         if cfg.data.shard is None:

@@ -139,7 +139,8 @@ class SwarmConfig:
     """Multiaddrs others dial this peer at (`--announce-ip IP`); default: the addresses it listens on."""
     identity: Optional[str] = None
     """This peer's key file (created if missing): its peer id and the signature on its DHT records
-    (swarm/net/identity.py). None: a fresh key, and peer id, for every start."""
+    (swarm/net/identity.py). None: `identity.key` in the peer's folder, so that a restart keeps its peer id and
+    the weight the others' ledgers give it (swarm/net/ledger.py)."""
     auth: Literal["open", "allowlist"] = "open"
     """open: anyone may join. allowlist: only `allowed_peers` may write this run's DHT records, meet in
     groups, send to the all-reduce or download the state (a private swarm)."""

@@ -48,3 +48,31 @@ def test_a_run_whose_last_round_split_in_two_groups_ends_on_one_hash(tmp_path, s
     agreed = sorted(p["name"] for p in peers if any(e["event"] == "end_agreed" for e in p["events"]))
     assert agreed == outvoted, (outvoted, agreed, late)
     assert len(late) < 4
+
+
+@pytest.mark.timeout(240)
+def test_eight_free_identities_voting_a_round_ahead_steer_no_peer_that_averaged(tmp_path, swarm_cmd):
+    """sybil-quorum: from round 2 on, 8 fresh keys sign progress and commit records one round ahead on a perturbed
+    hash they claim to serve, twice the honest peers. Counted as identities they were the quorum: every honest
+    peer went BEHIND with them as donors (none can give a state) and exited 1. Weighed by the ledger
+    (swarm/net/ledger.py) they weigh nothing: every honest peer commits every round on one hash."""
+    summary = run_local(swarm_cmd, tmp_path, "--peers", "4", "--rounds", "4", "--hostile", "sybil-quorum@3")
+    honest = [p for p in summary["peers"] if "hostile" not in p]
+    assert sorted(p["name"] for p in honest) == ["peer-0", "peer-1", "peer-2"]
+    for peer in honest:
+        assert [r["committed"] for r in peer["rounds"]] == [True] * 4, peer["name"]
+        assert not [e for e in peer["events"] if e["event"] == "state_downloaded"], peer["name"]
+    assert len({p["final_global_sha256"] for p in honest}) == 1
+
+
+@pytest.mark.timeout(240)
+def test_a_peer_left_alone_trains_on_past_a_groupmate_s_forged_commit(tmp_path, swarm_cmd):
+    """forged-commit-alone: three peers average round 1; in round 2 peer 1 dies and peer 2, whose commit records
+    claim one round more than it committed on a hash nobody holds, dies too. Peer 0, alone, used to read that
+    record as the swarm's round 2, find nobody to take it from and exit 1; one of its three former groupmates
+    is no quorum of those it averaged with (swarm/net/policy.py), so it trains on, alone, to the end."""
+    summary = run_local(swarm_cmd, tmp_path, "--peers", "3", "--rounds", "3", "--hostile", "forged-commit@2",
+                        "--kill", "1@2", "--kill", "2@2")
+    (peer,) = [p for p in summary["peers"] if p["name"] == "peer-0"]
+    assert [r["committed"] for r in peer["rounds"]] == [True] * 3
+    assert peer["rounds_completed"] == 3 and not [e for e in peer["events"] if e["event"] == "state_downloaded"]

@@ -38,4 +38,7 @@ ATTACKS = {
                "(limits: streams per peer; wire: the first frame's deadline, then a ban)",
     "sybil": "mints identities that sign a forged fingerprint and manifest (swarm.identity_work: a proof of "
              "work per identity; without it a newcomer counts them as peers)",
+    "sybil-quorum": "mints 8 identities that sign progress and commit records one round ahead of its own, on a "
+                    "perturbed hash they say they serve, from the run's second round on (ledger.py: a key that "
+                    "never averaged with a peer weighs nothing to it; a newcomer still counts identities)",
 }

@@ -35,6 +35,7 @@ CLAIMED_SAMPLES = 10**18
 FLOOD_STREAMS = 32
 TRICKLE_STREAMS = 32  # per handler of every other peer, held open a byte per half stall
 SYBILS, SYBIL_BUDGET_S = 16, 60.0  # identities the sybil mints, and the seconds it spends minting them
+QUORUM_SYBILS = 8  # identities sybil-quorum mints: more than the honest peers of the tests and the hostile bench
 
 
 @dataclass
@@ -93,9 +94,11 @@ class Attacker(Hooks):
             raise ValueError(f"unknown attack {unknown[0]!r}; known: {', '.join(ATTACKS)}")
         self.kinds = set(kinds)
         self._beats = 0
+        self._published: Optional[dict] = None  # our last progress record as we made it (sybil-quorum)
         logger.warning(f"this peer is HOSTILE (faults.hostile): {', '.join(sorted(self.kinds))}")
 
     def progress(self, record: dict) -> dict:
+        self._published = record
         if "claim-ahead" in self.kinds and record.get("sha256"):
             return dict(record, round=record["round"] + 1, serves_state=True)
         if "forge-progress" not in self.kinds:
@@ -175,7 +178,9 @@ class Attacker(Hooks):
 
     async def run(self, reach: Reach) -> None:
         await asyncio.gather(*[attack(reach) for kind, attack in (("flood", self._flood), ("trickle", self._trickle),
-                                                                   ("sybil", self._sybil)) if kind in self.kinds])
+                                                                   ("sybil", self._sybil),
+                                                                   ("sybil-quorum", self._sybil_quorum))
+                               if kind in self.kinds])
 
     async def _flood(self, reach: Reach) -> None:
         """flood: every second, open FLOOD_STREAMS all-reduce streams to every other peer, each naming a
@@ -232,6 +237,40 @@ class Attacker(Hooks):
         under that config's fingerprint. A peer that checks the fingerprint or reads the manifest later (a
         newcomer, `swarm join`) then counts them as peers of the run."""
         await asyncio.get_running_loop().run_in_executor(None, sybil_attack, reach.dht, reach.cfg)
+
+
+    async def _sybil_quorum(self, reach: Reach) -> None:
+        """sybil-quorum: mint QUORUM_SYBILS identities (free, or with the swarm's proof of work), then every
+        progress interval have each sign a progress record one round past ours, on a perturbed hash of ours,
+        serving it, and a commit record of that round: more voters than the honest peers, for a state that does
+        not exist. From the run's second round: at the first, nothing is known of anyone, and identities count."""
+        from hivemind.utils.timed_storage import get_dht_time
+
+        from swarm.net import schema
+        from swarm.net.identity import owner_peer_id
+        from swarm.net.sybil import mint, store_as
+
+        loop, cfg = asyncio.get_running_loop(), reach.cfg
+        sybils, _ = await loop.run_in_executor(None, mint, QUORUM_SYBILS, cfg.identity_work, SYBIL_BUDGET_S)
+        logger.warning(f"sybil-quorum: {len(sybils)} identities minted")
+        while True:
+            await asyncio.sleep(cfg.progress_interval)
+            ours = self._published
+            if ours is None or ours["round"] < 1 or not ours.get("sha256"):
+                continue
+            now, ahead = get_dht_time(), ours["round"] + 1
+            perturbed = hashlib.sha256(f"sybil-quorum {ours['sha256']}".encode()).hexdigest()
+            for i, sybil in enumerate(sybils):
+                progress = schema.ProgressRecord(
+                    peer_id=owner_peer_id(sybil.owner), name=f"sybil-{i}", round=ahead, inner_step=0, samples=0,
+                    samples_per_s=0.0, time=now, serves_state=True, sha256=perturbed, work=sybil.work)
+                commit = schema.CommitRecord(name=f"sybil-{i}", round=ahead, sha256=perturbed, time=now,
+                                             work=sybil.work)
+                for key, record, expiration in (
+                        (schema.progress_key(cfg.run_id), progress, cfg.progress_expiration),
+                        (schema.commits_key(cfg.run_id), commit, schema.RUN_RECORD_EXPIRATION)):
+                    await loop.run_in_executor(None, store_as, reach.dht, sybil, key, record.dict(),
+                                               now + expiration, cfg.request_timeout)
 
 
 def sybil_attack(dht, cfg, budget_s: float = SYBIL_BUDGET_S, count: int = SYBILS) -> Optional[dict]:

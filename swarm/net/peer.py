@@ -57,6 +57,7 @@ from swarm.net.dht import allowed_peers
 from swarm.net.grouping import Offenses, OtherBase, adopted, agreed_chunk, clients, dialable, on_majority_base, without
 from swarm.net.hostile import Reach, hooks_for
 from swarm.net.identity import Identity
+from swarm.net.ledger import Ledger
 from swarm.net.linger import linger
 from swarm.net.matchmaking import Group, Matchmaker, NoGroup
 from swarm.net.outcome import Averaging
@@ -78,7 +79,7 @@ class SwarmAverager(Averager):
     networked = True
 
     def __init__(self, cfg: SwarmConfig, dht: hivemind.DHT, identity: Identity, fingerprint: str, peer_name: str,
-                 faults: Optional[FaultsConfig] = None):
+                 faults: Optional[FaultsConfig] = None, ledger: Optional[Ledger] = None):
         self.cfg, self.dht, self.fingerprint, self.peer_name = cfg, dht, fingerprint, peer_name
         self.faults = faults or FaultsConfig()
         self.peer_id = str(dht.peer_id)
@@ -107,7 +108,7 @@ class SwarmAverager(Averager):
                                       self.hooks)
             # our records' subkey is our owner marker: we sign them
             self.records = Records(cfg, dht, self.peer_id, peer_name, identity.owner, self.access, self.hooks,
-                                   self.server, identity.work)
+                                   self.server, identity.work, ledger)
             self.records.start()
             self.call(self._start_handlers(), cfg.bootstrap_timeout)
             others = lambda: [r.peer_id for r in self.records.peers() if r.peer_id != self.peer_id]  # noqa: E731
@@ -253,7 +254,9 @@ class SwarmAverager(Averager):
             return None
 
     def _decide(self, job: Averaging, group: Group, done: tuple[Traffic, float]) -> RoundOutcome:
-        """The group's average is in `job.out` on every member: from now on, a lone survivor skips matchmaking."""
+        """The group's average is in `job.out` on every member: its members weigh one more round in our ledger,
+        and from now on a lone survivor skips matchmaking."""
+        self.records.ledger.record(job.outer_step + 1, [str(m) for m in group.members])
         self.averaged_once = True
         return job.averaged(group, *done)
 
@@ -334,8 +337,8 @@ class SwarmAverager(Averager):
             return "the commit records did not answer"
         commits.pop(self.peer_id, None)  # our own vote is the state we are replacing
         others = [r for r in self.records.peers() if r.peer_id != self.peer_id]
-        committed = policy.certified(self.peer_id, others, commits, get_dht_time(), live_window(self.cfg)).get(
-            got_round)
+        committed = policy.certified(self.peer_id, others, commits, get_dht_time(), live_window(self.cfg),
+                                     self.records.ledger.weights).get(got_round)
         if committed is None:
             return f"no hash of round {got_round} is held by half of the live peers (the quorum rule)"
         if committed != got_sha:

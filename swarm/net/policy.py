@@ -19,6 +19,12 @@ function itself does no I/O, so it is tested over tables of records (tests/net/t
   against the peers they catch up with. With no other peer live (every other peer left), the last commit
   records decide instead, the most votes winning: a peer that comes back after the others finished must not
   train on alone from an older round.
+- Weights (`weights`, ledger.py): identities are free, so a peer that has averaged with others weighs each
+  voter by the rounds it averaged in together with it (a key it never met weighs 0) wherever the rule above says
+  "peers": the quorum, the electorate, the last commits, readiness. With nobody else live, the last commits then
+  certify a hash only when they carry at least half of all the ledger's weight (a quorum of those we averaged
+  with: one former groupmate of three, a lone survivor or a forger, is not). A peer with nothing recorded (a
+  newcomer; everyone at a run's first round) counts identities, as below.
 - One hash, one round (`truthful`): a state's hash binds its count of rounds, so a record of another peer that
   puts a hash we hold at another round is false and counts for nothing.
 - BEHIND: the swarm committed a later round than ours. Donors: live peers at that round on its hash that serve
@@ -50,9 +56,12 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from enum import Enum
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from swarm.net.schema import CommitRecord, ProgressRecord
+
+Weights = Callable[[int], Optional[Mapping[str, int]]]
+"""The weights that decide a round s, by peer id (ledger.py `Ledger.weights`); None for s: count identities."""
 
 
 class Verdict(Enum):
@@ -77,6 +86,24 @@ class Position:
 
 def is_live(record: ProgressRecord, now: float, window: float) -> bool:
     return now - record.time <= window
+
+
+def weigher(weights: Optional[Weights], round: int) -> Callable[[str], int]:
+    """A peer's weight in the dispute over `round`: its ledger weight, 0 for a key the ledger does not know; 1
+    for everyone where no weights are known (a newcomer, a run's first round)."""
+    return _by(weights(round) if weights is not None else None)
+
+
+def _by(table: Optional[Mapping[str, int]]) -> Callable[[str], int]:
+    return (lambda peer: 1) if table is None else (lambda peer: table.get(peer, 0))
+
+
+def _certifies(weight: int, weights: Optional[Weights], round: int) -> bool:
+    """Whether `weight` of last commits certifies a hash at `round` while nobody else is live: with weights, at
+    least half of all the ledger's weight for that round, as the quorum rule asks of live peers (one of three
+    former groupmates, a lone survivor or a forger, is not); without, any (the most votes win)."""
+    table = weights(round) if weights is not None else None
+    return table is None or 2 * weight >= sum(table.values())
 
 
 def _lower_median(values: list[int]) -> int:
@@ -112,14 +139,14 @@ def plausible(me: str, progress: Sequence[ProgressRecord], commits: Mapping[str,
 
 
 def votes(progress: Sequence[ProgressRecord], commits: Mapping[str, CommitRecord], now: float,
-          window: float) -> dict[int, Counter]:
-    """Per round, how many peers vouch for each hash: live peers by their progress record, others by their
-    last commit record."""
+          window: float, weights: Optional[Weights] = None) -> dict[int, Counter]:
+    """Per round, the weight of the peers that vouch for each hash: live peers by their progress record, others
+    by their last commit record (a key of weight 0 vouches for nothing)."""
     live = {r.peer_id: r for r in progress if is_live(r, now, window)}
     tally: dict[int, Counter] = defaultdict(Counter)
-    for record in [*live.values(), *(c for p, c in commits.items() if p not in live)]:
-        if record.sha256:
-            tally[record.round][record.sha256] += 1
+    for peer, record in [*live.items(), *((p, c) for p, c in commits.items() if p not in live)]:
+        if record.sha256 and (weight := weigher(weights, record.round)(peer)):
+            tally[record.round][record.sha256] += weight
     return tally
 
 
@@ -138,38 +165,43 @@ def ceiling(me: str, live: Sequence[ProgressRecord]) -> Optional[int]:
 
 
 def certified(me: str, progress: Sequence[ProgressRecord], commits: Mapping[str, CommitRecord], now: float,
-              window: float) -> dict[int, str]:
-    """Per round s, the hash the swarm committed there, by the quorum rule (module docstring). With no other peer
-    live (every other peer has left), the plausible last commits decide instead, the most votes winning."""
+              window: float, weights: Optional[Weights] = None) -> dict[int, str]:
+    """Per round s, the hash the swarm committed there, by the quorum rule (module docstring), each peer weighed
+    by `weights` (ledger.py; None: one identity, one vote). With no other peer live (every other peer has left),
+    the plausible last commits decide instead, the most weight winning."""
     progress = truthful(me, progress, {r.sha256: r.round for r in progress if r.peer_id == me and r.sha256})
     live = [r for r in progress if is_live(r, now, window)]
     if not any(r.peer_id != me for r in live):
         progress, commits = plausible(me, progress, commits, now, window)
-        return {s: winner(counts) for s, counts in votes(progress, commits, now, window).items()}
+        tally = votes(progress, commits, now, window, weights)
+        return {s: best for s, counts in tally.items()
+                if (best := winner(counts)) and _certifies(counts[best], weights, s)}
     top = ceiling(me, live)
     tally: dict[int, Counter] = defaultdict(Counter)
     for r in live:
         if r.sha256 and r.serves_state and (top is None or r.round <= top):
-            tally[r.round][r.sha256] += 1
+            if weight := weigher(weights, r.round)(r.peer_id):
+                tally[r.round][r.sha256] += weight
     out = {}
     for s, counts in tally.items():
-        best = winner(counts)
-        if 2 * counts[best] >= sum(1 for r in live if r.round >= s - 1 or r.serves_state):
+        best, weight = winner(counts), weigher(weights, s)
+        if 2 * counts[best] >= sum(weight(r.peer_id) for r in live if r.round >= s - 1 or r.serves_state):
             out[s] = best
     return out
 
 
 def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
-           commits: Mapping[str, CommitRecord], now: float, window: float) -> Position:
+           commits: Mapping[str, CommitRecord], now: float, window: float,
+           weights: Optional[Weights] = None) -> Position:
     claimed = {r.peer_id for r in progress} | set(commits)
     live_ids = {r.peer_id for r in progress if is_live(r, now, window)}
     held = {r.sha256: r.round for r in progress if r.peer_id == me and r.sha256} | ({sha256: round} if sha256 else {})
     progress = truthful(me, progress, held)
-    committed = certified(me, progress, commits, now, window)
+    committed = certified(me, progress, commits, now, window, weights)
     holders = [r for r in progress if is_live(r, now, window) and r.peer_id != me and r.serves_state]
     progress, commits = plausible(me, progress, commits, now, window)
     ignored = tuple(sorted(claimed - {r.peer_id for r in progress} - set(commits)))
-    unsure = len(live_ids - {r.peer_id for r in progress})  # live, at a round it does not tell: may join us
+    unsure = live_ids - {r.peer_id for r in progress}  # live, at a round it does not tell: may join us
     live = [r for r in progress if is_live(r, now, window)]
     swarm_round = max([round, *committed])
     swarm_sha = committed.get(swarm_round)
@@ -184,7 +216,13 @@ def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
                         ignored=ignored)
     # peers a round ahead whose claim the quorum did not take may be at ours (the claim-ahead attack: left out
     # of the count, it closed our groups one member short, leaving an honest peer out)
-    expected = sum(1 for r in live if r.round in (round - 1, round, round + 1)) + unsure
+    # (with weights, a key without any counts only at our very round: a newcomer that took the state may join,
+    # a stranger claiming the next round would only make the group wait for it)
+    table = weights(round + 1) if weights is not None else None  # the round we are about to close
+    weight = _by(table)
+    near = [r for r in live if r.round in (round - 1, round, round + 1)]
+    expected = sum(1 for r in near if table is None or weight(r.peer_id) or r.round == round) + \
+        sum(1 for p in unsure if table is None or weight(p))
     majority = committed.get(round, sha256)
     if majority != sha256:
         donors = tuple(sorted(r.peer_id for r in holders if r.round == round and r.sha256 == majority))
@@ -194,7 +232,8 @@ def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
     mates = [r for r in others if r.round == round and r.sha256 in (sha256, "")]
     # most of the others that may average this round (those still showing the round before count as not
     # ready: right after a commit, a forger claiming readiness may be the only one showing the new round)
-    ready = 2 * sum(r.ready for r in mates) > expected - 1
+    ready = 2 * sum(weight(r.peer_id) for r in mates if r.ready) > \
+        sum(weight(r.peer_id) for r in near if r.peer_id != me) + sum(map(weight, unsure))
     if not mates:
         return Position(Verdict.ALONE, swarm_round, swarm_sha, expected, note="alone", ignored=ignored)
     return Position(Verdict.AVERAGE, swarm_round, swarm_sha, expected, others_ready=ready,

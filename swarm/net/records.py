@@ -5,8 +5,9 @@ it stands by the records of others (`policy.assess`).
   `PeerStats`, for watchers); a heartbeat thread re-stores it every `cfg.progress_interval`, so a record
   that stopped changing is a dead peer's (policy.py).
 - `offer_state()`: the commit record of a snapshot, then serving it, done by the heartbeat as well.
-- `peers()`, `assess()`: the run's records as their signers wrote them, and the policy's verdict on them;
-  peers whose claims the policy ignored are noted in this peer's events (access.py).
+- `peers()`, `assess()`: the run's records as their signers wrote them, and the policy's verdict on them,
+  each peer weighed by the rounds it averaged with us (`ledger`, ledger.py); peers whose claims the policy
+  ignored are noted in this peer's events (access.py).
 - `others_ready()`: whether most live groupmates finished their inner steps (the trainer asks after every
   inner step; the DHT is read at most once per `progress_interval`).
 """
@@ -28,6 +29,7 @@ from swarm.config import SwarmConfig, live_window
 from swarm.net import policy, schema
 from swarm.net.access import Access
 from swarm.net.hostile import Hooks
+from swarm.net.ledger import Ledger
 from swarm.net.statesync import StateServer
 
 logger = logging.getLogger(__name__)
@@ -35,13 +37,14 @@ logger = logging.getLogger(__name__)
 
 class Records:
     """A peer's own progress and commit records, stored by a heartbeat thread (`start()` ... `close()`), and
-    its reading of everyone's records. `server` is the peer's state server: a state is served (`serving`)
-    once its commit record is stored."""
+    its reading of everyone's records, each peer weighed by `ledger` (ledger.py). `server` is the peer's state
+    server: a state is served (`serving`) once its commit record is stored."""
 
     def __init__(self, cfg: SwarmConfig, dht: hivemind.DHT, peer_id: str, peer_name: str, owner: bytes,
-                 access: Access, hooks: Hooks, server: StateServer, work: int = 0):
+                 access: Access, hooks: Hooks, server: StateServer, work: int = 0, ledger: Optional[Ledger] = None):
         self.cfg, self.dht, self.peer_id, self.peer_name = cfg, dht, peer_id, peer_name
         self.access, self.hooks, self.server = access, hooks, server
+        self.ledger = ledger or Ledger()
         self._owner = owner  # our owner marker: the subkey of every record we write (we sign them)
         self._work = work  # the nonce of our proof of work (swarm.identity_work), in every record we write
         self._stats = PeerStats()  # the last ones the trainer gave, in every record until it gives others
@@ -256,7 +259,7 @@ class Records:
         if records is None:
             return policy.Position(policy.Verdict.UNSURE, outer_step, None, None, note="commit records unreadable")
         position = policy.assess(self.peer_id, outer_step, sha256, self.peers(), records, get_dht_time(),
-                                 live_window(self.cfg))
+                                 live_window(self.cfg), self.ledger.weights)
         for peer in position.ignored:
             self.access.note("ignored_claim", peer, "claims a round more than one past the swarm's majority")
         return position
