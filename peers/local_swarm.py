@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import signal
@@ -167,12 +168,26 @@ def start_monitor(cfg: Config, maddr: str, port: Optional[int]):
         return Monitor.start(swarm_cfg, "127.0.0.1", 0)
 
 
+def defaults(n_peers: int, joins: list[int] = ()) -> list[str]:
+    """The overrides `swarm local` gives every peer before the user's own (which win): one group for the whole
+    swarm, joiners included, so that a round forms as soon as every live peer is ready instead of waiting out
+    the matchmaking time."""
+    return ["--swarm.target_group_size", str(max(n_peers + len(joins), 2))]
+
+
 def check_plan(cfg: Config, n_peers: int, kills: list[str] = (), joins: list[int] = (), hostile: list[str] = (),
                monitor_port: Optional[int] = None) -> tuple[dict[int, list[str]], dict[int, Kill], list[int]]:
     """The attackers, kills and joins `swarm local` was asked for; UsageError naming the first that does not fit
-    (and SwarmError if `monitor_port`, the monitor's port asked for, is in use)."""
+    (and SwarmError if `monitor_port`, the monitor's port asked for, is in use). `cfg` is the peers' config, with
+    `defaults` under the user's overrides."""
     if n_peers < 1:
         raise UsageError(f"--peers must be >= 1, got {n_peers}")
+    size, peers = cfg.swarm.target_group_size, n_peers + len(joins)
+    if 2 * size < peers:  # e.g. 8 peers in groups of 3: 3 hashes a round, none held by half the swarm
+        raise UsageError(f"swarm.target_group_size {size} with {peers} peers: a group cannot hold half of the swarm, "
+                         f"so no group's average reaches the quorum (swarm/net/policy.py) and the peers would end "
+                         f"on different models; use swarm.target_group_size >= {math.ceil(peers / 2)} (swarm local "
+                         f"puts all {peers} peers in one group unless told otherwise)")
     if n_peers + len(joins) > cfg.data.num_shards:  # each peer of `swarm local` trains on a shard of its own
         raise UsageError(f"--peers {n_peers}{f' and {len(joins)} --join' if joins else ''} need a data shard each: "
                          f"data.num_shards is {cfg.data.num_shards}")
@@ -240,12 +255,9 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int,
         if monitor:
             watch = start_monitor(cfg, maddr, monitor_port)
             print(f"monitor at {watch.url} (JSON: {watch.url}api/swarm, Prometheus: {watch.url}metrics)", flush=True)
-        # Each peer gets its own shard; the group covers the whole swarm (joiners included), so a round
-        # forms as soon as every live peer is ready instead of waiting out the matchmaking time.
-        # (unless the user asked for another group size: it comes after, and the last one given wins)
-        common = ["peer", "--config", config_path, "--swarm.target_group_size",
-                  str(max(n_peers + len(pending_joins), 2)), *overrides, "--initial-peers", maddr,
-                  "--diloco.threads", "1", "--logging.progress_bar", "false",
+        # Each peer gets its own shard, and `defaults` before the user's overrides (the last one given wins).
+        common = ["peer", "--config", config_path, *defaults(n_peers, pending_joins), *overrides,
+                  "--initial-peers", maddr, "--diloco.threads", "1", "--logging.progress_bar", "false",
                   "--swarm.host_maddrs", "/ip4/127.0.0.1/tcp/0", "--log-level", log_level]
 
         def start_peer(i: int, *extra: str) -> Child:
@@ -358,7 +370,18 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int,
     if failed:
         raise SwarmError(f"{len(failed)} of {len(peers)} peers failed ({', '.join(p.name for p in failed)}); "
                          f"summary in {path}")
+    check_agreement(summaries, cfg.diloco.rounds, path)
     return path
+
+
+def check_agreement(summaries: list[dict], rounds: int, path: Path) -> None:
+    """SwarmError unless every honest peer (no `hostile` key) that finished the run's `rounds` ended on one hash
+    (a peer killed on purpose stopped where it was)."""
+    hashes = {s["final_global_sha256"] for s in summaries
+              if "hostile" not in s and s.get("rounds_completed", 0) >= rounds}
+    if len(hashes) > 1:
+        raise SwarmError(f"the honest peers ended on {len(hashes)} different models (final_global_sha256 in "
+                         f"{path}): the swarm did not agree")
 
 
 def fault_report(events: list[dict], summaries: list[dict]) -> dict:

@@ -172,7 +172,12 @@ def _train(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
     overrides = [*(_network(args) if networked else []), *rest]
     if getattr(args, "rounds", None) is not None:
         overrides += ["--diloco.rounds", str(args.rounds)]
-    cfg = load_config(args.config, overrides)
+    if args.command == "local":  # what each peer of the local swarm will run with
+        from peers.local_swarm import defaults
+
+        cfg = load_config(args.config, [*defaults(args.peers, args.join), *overrides])
+    else:
+        cfg = load_config(args.config, overrides)
     _check_pretrained(cfg)
     from swarm.ranks import Ranks, check
 
@@ -182,6 +187,11 @@ def _train(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
 
         for nproc, _ in parse_ranks(args.nproc_per_node, args.peers + len(args.join)):  # UsageError: exit 2
             check(cfg, nproc)
+    if args.command == "local":
+        from peers.local_swarm import check_plan
+
+        check_plan(cfg, args.peers, args.kill, args.join, args.hostile,  # before the folder is made, or a dry run
+                   None if args.no_monitor or args.dry_run else args.monitor_port)
     if args.command in ("peer", "local") and args.dry_run:
         from peers.inspect import dry_run
 
@@ -195,10 +205,8 @@ def _train(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
         logs.to_folder(out)
         return _wrote(run_sim(cfg, args.replicas, out), None)
     if args.command == "local":
-        from peers.local_swarm import check_plan, run_local
+        from peers.local_swarm import run_local
 
-        check_plan(cfg, args.peers, args.kill, args.join, args.hostile,  # before the folder is made
-                   None if args.no_monitor else args.monitor_port)
         with _folder(args, cfg, "local") as folder:
             path = run_local(cfg, args.config, overrides + ["--fresh"] * args.fresh, args.peers, folder.path,
                              args.kill, args.join, args.nproc_per_node, args.hostile, monitor=not args.no_monitor,

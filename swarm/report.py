@@ -11,9 +11,8 @@ downloaded from a peer), `round_hashes` (the state's hash, swarm/statehash.py, a
 `wait_s` (with diloco.delay: the time inner steps stopped for an exchange that ran behind them; comm_s then
 runs in the background), `overhead_s`, `bytes_sent`, `bytes_received` (all-reduce payload, totals),
 `peak_rss_bytes` (the peer process's peak resident memory, read by the peer itself), `peak_device_bytes` (the
-most its tensors held on its CUDA device; 0 on CPU) and `rounds` (every
-round record, discarded ones included, with its own byte counts and `overhead_s`: the round's time outside
-inner steps and matchmaking + all-reduce).
+most its tensors held on its CUDA device; 0 on CPU) and `rounds` (every round record, discarded ones included,
+with its own byte counts and `overhead_s`: the round's time outside inner steps and matchmaking + all-reduce).
 """
 
 from __future__ import annotations

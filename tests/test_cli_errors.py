@@ -61,6 +61,30 @@ def test_bad_hostile_spec_exits_2(spec, culprit, cli):
     assert culprit in one_line_error(result)
 
 
+@pytest.mark.parametrize("args,culprit", [
+    (["--peers", "8", "--swarm.target_group_size", "3"], "swarm.target_group_size 3 with 8 peers"),
+    (["--peers", "100"], "data.num_shards is 64")])
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
+def test_a_local_swarm_that_could_not_agree_or_fit_exits_2_dry_run_or_not(args, culprit, dry_run, cli):
+    """Groups that cannot hold half the swarm would end on several models (8 peers in groups of 3 ended on 5):
+    refused before anything starts, and a dry run refuses what the real run would."""
+    result = cli("local", "--config", "configs/tiny.yaml", *args, *dry_run)
+    assert result.returncode == 2
+    assert culprit in one_line_error(result)
+
+
+def test_a_local_swarm_whose_honest_peers_disagree_fails_saying_so(tmp_path):
+    from peers.local_swarm import check_agreement
+    from swarm.errors import SwarmError
+
+    honest, killed = {"final_global_sha256": "a", "rounds_completed": 3}, {"final_global_sha256": "c",
+                                                                            "rounds_completed": 1}
+    check_agreement([honest, killed, {"final_global_sha256": "b", "rounds_completed": 3, "hostile": ["nan"]}], 3,
+                    tmp_path)
+    with pytest.raises(SwarmError, match="ended on 2 different models"):
+        check_agreement([honest, {"final_global_sha256": "b", "rounds_completed": 3}], 3, tmp_path)
+
+
 def test_an_unreadable_identity_file_exits_2(tmp_path, cli):
     (tmp_path / "id.key").write_bytes(b"not a key")
     result = cli(*PEER, "--swarm.identity", str(tmp_path / "id.key"))
