@@ -372,9 +372,12 @@ class Matchmaker:
 
 def misfit(round: int, checked: dict[str, GroupMeta], ours: GroupMeta) -> Optional[tuple[str, list[str]]]:
     """Why a group whose admitted members signed `checked` (by peer id) must be left, and who is to blame (each
-    said it itself); None if it need not."""
+    said it itself); None if it need not. A meta of an earlier round blames nobody: its member signed it once,
+    and a leader it joined then can replay it into any later group (signedmeta.py); a later round's it cannot
+    have signed for anyone yet but itself."""
     if other := [p for p, m in checked.items() if m.round != round]:
-        return f"round {round}: {', '.join(other)} sent metadata of another round", other
+        return f"round {round}: {', '.join(other)} sent metadata of another round", [
+            p for p in other if checked[p].round > round]
     if other := [p for p, m in checked.items() if m.numel != ours.numel]:
         return (f"round {round}: {', '.join(other)} average vectors of other sizes than our {ours.numel} "
                 f"elements", other)

@@ -16,7 +16,8 @@ a weight) and have the honest members leave every group, or charge each other of
 What a valid signature proves: that member said that, in this run, for a round it names. It does not bind the
 meta to one group: a leader that a member once joined could replay that member's meta (same round, same
 attempt) in a group the member is not in; the member then never shows up, which the barrier (matchmaking.py)
-and the all-reduce's HELLOs catch, and costs the attempt, not an offense of the member.
+and the all-reduce's HELLOs catch, and costs the attempt, not an offense of the member. Replayed into a later
+round's group, the meta names an earlier round: `matchmaking.misfit` leaves that group charging nobody.
 Cost: an RSA-2048 signature per attempt (~1 ms), a verification per member (~0.05 ms), ~700 bytes per meta.
 """
 

@@ -69,7 +69,8 @@ def test_a_client_meta_fits_a_group_and_misfits_are_named():
     metas = {"a": GroupMeta(round=4, nonce="0" * 16, token=2.0),
              "b": GroupMeta(round=4, nonce="1" * 16, token=2.0, client=True)}
     assert misfit(4, metas, metas["a"]) is None  # audits reach a client on the stream it opens (audit.offer)
-    assert "another round" in misfit(5, metas, metas["a"])[0]
+    assert misfit(5, metas, metas["a"]) == ("round 5: a, b sent metadata of another round", [])  # a replay?
+    assert misfit(3, metas, metas["a"])[1] == ["a", "b"]  # a later round's meta: only its member signed it
     other = dict(metas, c=GroupMeta(round=4, nonce="2" * 16, token=2.0, numel=7))
     assert misfit(4, other, metas["a"])[1] == ["c"]  # the one whose signed size differs
 
