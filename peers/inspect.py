@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
+import torch
 import yaml
 
 from swarm.config import Config, is_per_peer, per_peer_keys
@@ -69,15 +70,19 @@ def _writable(folder: Path, option: str) -> None:
         raise UsageError(f"{option} {folder}: cannot write there ({existing} is not a writable folder)")
 
 
-def dry_run(cfg: Config, out: Path, networked: bool, run: Optional[RunIdentity] = None) -> int:
-    """Check and print what a peer of `cfg` would start with; exit 0 without training. `run`: the identity of
-    the run it joins (`swarm join`), which its own must match."""
+def dry_run(cfg: Config, out: Path, networked: bool, run: Optional[RunIdentity] = None, nproc: int = 1) -> int:
+    """Check and print what a peer of `cfg` (of `nproc` ranks) would start with, its memory per rank among it;
+    exit 0 without training. `run`: the identity of the run it joins (`swarm join`), which its own must match.
+    The memory plan is printed first, on any machine: a machine that cannot hold it then exits 2 naming why."""
     from swarm.data import load_corpus
     from swarm.metrics import check_available
+    from swarm.ranks import check_batch
 
+    check_batch(cfg, nproc)
     _writable(out, "--out")
     check_available(cfg)
     corpus = load_corpus(cfg.data)
+    memory_plan(cfg, nproc, corpus.tokenizer.vocab_size)
     meta = corpus.prepared.meta
     print(f"config: ok (run {cfg.swarm.run_id!r}, {cfg.diloco.rounds} rounds x {cfg.diloco.inner_steps} inner "
           f"steps, delay {cfg.diloco.delay}, {cfg.diloco.fragments} fragment(s))")
@@ -93,6 +98,44 @@ def dry_run(cfg: Config, out: Path, networked: bool, run: Optional[RunIdentity] 
     print(f"fingerprint: {mine.fingerprint}" + (" (the run's)" if run is not None else ""))
     print("dry run: everything checked, nothing trained")
     return 0
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def memory_plan(cfg: Config, nproc: int, vocab_size: int) -> None:
+    """Print what each rank would hold (swarm/accounting.py), then UsageError if this machine cannot: too few
+    devices, a device too small, or too little memory for the node's ranks, naming the biggest item."""
+    from swarm import accounting
+    from swarm.ranks import check_devices
+
+    shapes = accounting.shapes_of(cfg, vocab_size)
+    items = accounting.plan(cfg, shapes, nproc, vocab_size)
+    total = accounting.memory(cfg, shapes, nproc, vocab_size)
+    params = f"{shapes.params / 1e9:.1f}B" if shapes.params >= 1e9 else f"{shapes.params / 1e6:.1f}M"
+    print(f"memory per rank ({nproc} rank(s), inner.parallel {cfg.inner.parallel}, {params} parameters; "
+          f"swarm/accounting.py, an estimate):")
+    for item in items:
+        print(f"  {item.where:<10} {_size(item.bytes):>11}  {item.what}")
+    print(f"  = {_size(total['device_per_rank'])} on each device ({cfg.diloco.device}), "
+          f"{_size(total['host_per_node'])} of host memory and {_size(total['page_cache'])} of page cache per node")
+
+    def biggest(places: tuple[str, ...]) -> str:
+        item = max((i for i in items if i.where in places), key=lambda i: i.bytes)
+        return f"its biggest item: {item.what} ({_size(item.bytes)} per rank)"
+
+    check_devices(cfg, nproc)
+    on_cuda = torch.device(cfg.diloco.device).type == "cuda"
+    for index in range(nproc if on_cuda else 0):
+        if (have := torch.cuda.get_device_properties(index).total_memory) < total["device_per_rank"]:
+            raise UsageError(f"cuda:{index} holds {_size(have)}, the plan above {_size(total['device_per_rank'])} "
+                             f"per rank; {biggest(('device',))}")
+    on_host = ("host",) if on_cuda else ("host", "device")
+    need = nproc * sum(i.bytes for i in items if i.where in on_host)
+    if need > (ram := os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")):
+        raise UsageError(f"this machine has {_size(ram)} of memory, the plan above {_size(need)} for {nproc} "
+                         f"rank(s); {biggest(on_host)}")
 
 
 def _network(cfg: Config, out: Path) -> None:

@@ -14,6 +14,11 @@ Per rank of a peer of K ranks (`inner.parallel: fsdp`; with ddp, or K = 1, every
     page cache      the served copy of global parameters and momentum (file-backed, evictable)   8 B x N
                     the exchange's two node-local files, pseudo-gradient and average (swarm/sharding.py),
                     shared by the ranks, read and written a chunk at a time           8 B x N
+    host (K = 1)    the exchange's average, and as much of error-feedback residual with a lossy codec
+                                                                                  4 B x N / F each
+
+`plan` lists these items for a config (the moments at 2 B per parameter with adamw8bit); `swarm peer --dry-run`
+prints it per rank, also on a machine that cannot hold it (peers/inspect.py).
 
 The round (`round_projection`): an all-reduce of the pseudo-gradient, V = the codec's bytes of N elements, over
 a butterfly of n peers moves ~ 2 (n - 1) / n x V per peer, half each way on a full-duplex link; H inner steps of
@@ -61,18 +66,51 @@ def activation_bytes(cfg: Config, vocab_size: int) -> int:
     return kept + per_block + logits
 
 
+@dataclass(frozen=True)
+class Item:
+    """One line of a memory plan: what, where ("device" and "host": per rank; "page cache": per node, file-backed
+    and evictable), and its bytes."""
+
+    what: str
+    where: str
+    bytes: float
+
+
+def plan(cfg: Config, shapes: Shapes, ranks: int, vocab_size: int) -> list[Item]:
+    """What each rank of a peer of `ranks` ranks holds, item by item (the module docstring's table; with
+    `inner.optimizer: adamw8bit` the moments take 2 bytes per parameter, and an unsharded peer's exchange writes
+    its average, 1/F of the parameters, into host memory, plus as much again of error-feedback residual with a
+    lossy codec)."""
+    from swarm.net.codec import get_codec
+
+    k = ranks if cfg.inner.parallel == "fsdp" else 1
+    n, f = shapes.params, cfg.diloco.fragments
+    eight_bit = cfg.inner.optimizer == "adamw8bit"
+    items = [Item("fp32 parameters", "device", 4 * n / k), Item("fp32 gradients", "device", 4 * n / k),
+             Item(f"AdamW moments{' (8-bit)' if eight_bit else ''}", "device", (2 if eight_bit else 8) * n / k)]
+    if k > 1:
+        items.append(Item("the block FSDP gathers whole, and the next one prefetched", "device",
+                          2 * 4 * shapes.block_params))
+    items.append(Item("activations of one micro-batch (an estimate)", "device", activation_bytes(cfg, vocab_size)))
+    items.append(Item("fp32 global parameters and outer momentum",
+                      "host" if cfg.diloco.global_device == "cpu" else "device", 8 * n / k))
+    if k > 1:
+        items += [Item("the served copy of global parameters and momentum", "page cache", 8 * n),
+                  Item("the exchange's node-local files (pseudo-gradient, average)", "page cache", 8 * n)]
+    else:
+        items.append(Item("the exchange's average (fp32)", "host", 4 * n / f))
+        if cfg.swarm.error_feedback and get_codec(cfg.swarm.compression).lossy:
+            items.append(Item("the exchange's error-feedback residual (fp32)", "host", 4 * n / f))
+    return items
+
+
 def memory(cfg: Config, shapes: Shapes, ranks: int, vocab_size: int) -> dict[str, float]:
     """Bytes per device, per rank on the host, per node on the host and in the page cache, for a peer of `ranks`
-    ranks."""
-    k = ranks if cfg.inner.parallel == "fsdp" else 1
-    n = shapes.params
-    outer = 8 * n / k
-    on_host = cfg.diloco.global_device == "cpu"
-    device = 16 * n / k + (2 * 4 * shapes.block_params if k > 1 else 0) + activation_bytes(cfg, vocab_size) + \
-        (0 if on_host else outer)
-    host_rank = outer if on_host else 0
-    return {"device_per_rank": device, "host_per_rank": host_rank, "host_per_node": ranks * host_rank,
-            "page_cache": 16 * n if k > 1 else 0}
+    ranks: `plan`'s items summed."""
+    items = plan(cfg, shapes, ranks, vocab_size)
+    total = {where: sum(i.bytes for i in items if i.where == where) for where in ("device", "host", "page cache")}
+    return {"device_per_rank": total["device"], "host_per_rank": total["host"],
+            "host_per_node": ranks * total["host"], "page_cache": total["page cache"]}
 
 
 def round_projection(cfg: Config, params: int, step_s: float, link_bytes_per_s: float, peers: int) -> dict:

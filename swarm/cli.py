@@ -107,7 +107,7 @@ def _join(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
     if args.dry_run:
         from peers.inspect import dry_run
 
-        return dry_run(cfg, _planned(args, cfg, "peer"), networked=True, run=run)
+        return dry_run(cfg, _planned(args, cfg, "peer"), networked=True, run=run, nproc=args.nproc_per_node)
     if args.nproc_per_node != 1:
         from swarm.ranks import check
 
@@ -195,9 +195,8 @@ def _train(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
     if args.command in ("peer", "local") and args.dry_run:
         from peers.inspect import dry_run
 
-        if args.command == "peer":
-            check(cfg, args.nproc_per_node)
-        return dry_run(cfg, _planned(args, cfg, kind), networked=networked)
+        return dry_run(cfg, _planned(args, cfg, kind), networked=networked,
+                       nproc=args.nproc_per_node if args.command == "peer" else 1)
     if args.command == "sim":
         from peers.local_trainers import run_sim
 

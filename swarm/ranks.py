@@ -206,12 +206,22 @@ SINGLE = Ranks()
 
 def check(cfg: Config, nproc: int) -> None:
     """UsageError (exit 2) naming the key if `nproc` ranks cannot train `cfg` here."""
+    check_batch(cfg, nproc)
+    check_devices(cfg, nproc)
+
+
+def check_batch(cfg: Config, nproc: int) -> None:
+    """UsageError naming the key if `nproc` ranks cannot share `cfg`'s batch, on any machine."""
     if nproc < 1:
         raise UsageError(f"--nproc-per-node must be >= 1, got {nproc}")
     micro = cfg.inner.micro_batch_size
     if cfg.data.batch_size % (nproc * (micro or 1)):
         by = f"inner.micro_batch_size {micro} x --nproc-per-node {nproc}" if micro else f"--nproc-per-node {nproc}"
         raise UsageError(f"data.batch_size {cfg.data.batch_size} is not divisible by {by}")
+
+
+def check_devices(cfg: Config, nproc: int) -> None:
+    """UsageError naming the count if this machine has fewer devices of `diloco.device`'s kind than ranks."""
     if torch.device(cfg.diloco.device).type == "cuda":
         available = torch.cuda.device_count()
         if nproc > available:
