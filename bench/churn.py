@@ -35,7 +35,7 @@ def peer_argv(name: str, out: Path, maddr: str, rounds: int, inner_steps: int, g
             "--out", str(folder), "--swarm.identity", str(folder / "identity.key"), "--diloco.rounds", str(rounds),
             "--diloco.inner_steps", str(inner_steps), "--diloco.eval_every", str(max(1, rounds // 3)),
             "--data.eval_batches", "4", "--swarm.target_group_size", str(group), "--diloco.threads", "1",
-            "--logging.progress_bar", "false"]
+            "--logging.progress_bar", "false", "--swarm.host_maddrs", "/ip4/127.0.0.1/tcp/0"]
 
 
 def soak(out: Path, peers: int, rounds: int, inner_steps: int, every_s: float, events: int,
@@ -44,7 +44,7 @@ def soak(out: Path, peers: int, rounds: int, inner_steps: int, every_s: float, e
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     rng, start = random.Random(SEED), time.time()
-    boot = spawn(["-m", "swarm.cli", "bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], out / "bootstrap.log")
+    boot = spawn(["-m", "swarm.cli", "bootstrap", "--swarm.host_maddrs", "/ip4/127.0.0.1/tcp/0"], out / "bootstrap.log")
     procs, log = [boot], []
     try:
         maddr = wait_for_line(out / "bootstrap.log", r"/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+", boot)

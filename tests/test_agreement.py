@@ -59,6 +59,8 @@ def test_eight_free_identities_voting_a_round_ahead_steer_no_peer_that_averaged(
     summary = run_local(swarm_cmd, tmp_path, "--peers", "4", "--rounds", "4", "--hostile", "sybil-quorum@3")
     honest = [p for p in summary["peers"] if "hostile" not in p]
     assert sorted(p["name"] for p in honest) == ["peer-0", "peer-1", "peer-2"]
+    named = {e["peer_id"] for e in summary["events"] if e["event"] == "weightless_claim"}
+    assert len(named) == 8 and not named & {p["peer_id"] for p in summary["peers"]}  # the sybils, by their events
     for peer in honest:
         assert [r["committed"] for r in peer["rounds"]] == [True] * 4, peer["name"]
         assert not [e for e in peer["events"] if e["event"] == "state_downloaded"], peer["name"]

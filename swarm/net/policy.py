@@ -82,6 +82,7 @@ class Position:
     others_ready: bool = False  # most live peers that may average our round finished their inner steps
     note: str = ""
     ignored: tuple[str, ...] = ()  # peers whose round claims were false or implausible (`truthful`, `plausible`)
+    weightless: tuple[str, ...] = ()  # live peers that claim a round ahead, or another hash at ours, weighing 0
 
 
 def is_live(record: ProgressRecord, now: float, window: float) -> bool:
@@ -198,6 +199,10 @@ def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
     held = {r.sha256: r.round for r in progress if r.peer_id == me and r.sha256} | ({sha256: round} if sha256 else {})
     progress = truthful(me, progress, held)
     committed = certified(me, progress, commits, now, window, weights)
+    weightless = tuple(sorted(
+        r.peer_id for r in progress if r.peer_id != me and is_live(r, now, window) and r.sha256
+        and (r.round > round or (r.round == round and r.sha256 != sha256))
+        and weights is not None and weights(r.round) is not None and not weigher(weights, r.round)(r.peer_id)))
     holders = [r for r in progress if is_live(r, now, window) and r.peer_id != me and r.serves_state]
     progress, commits = plausible(me, progress, commits, now, window)
     ignored = tuple(sorted(claimed - {r.peer_id for r in progress} - set(commits)))
@@ -207,13 +212,13 @@ def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
     swarm_sha = committed.get(swarm_round)
     if not any(r.peer_id == me for r in live):
         return Position(Verdict.UNSURE, swarm_round, swarm_sha, None, note="progress records unreadable",
-                        ignored=ignored)
+                        ignored=ignored, weightless=weightless)
     others = [r for r in live if r.peer_id != me]
     if swarm_round > round:
         donors = sorted(r.peer_id for r in holders if r.round == swarm_round and r.sha256 == swarm_sha)
         return Position(Verdict.BEHIND, swarm_round, swarm_sha, None, tuple(donors),
                         note=f"behind: the swarm committed round {swarm_round}, we hold round {round}",
-                        ignored=ignored)
+                        ignored=ignored, weightless=weightless)
     # peers a round ahead whose claim the quorum did not take may be at ours (the claim-ahead attack: left out
     # of the count, it closed our groups one member short, leaving an honest peer out)
     # (with weights, a key without any counts only at our very round: a newcomer that took the state may join,
@@ -228,13 +233,15 @@ def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
         donors = tuple(sorted(r.peer_id for r in holders if r.round == round and r.sha256 == majority))
         return Position(Verdict.DIVERGED, swarm_round, swarm_sha, expected, donors,
                         note=f"most live peers at round {round} hold other global parameters than ours "
-                             f"({majority[:12]})", ignored=ignored)
+                             f"({majority[:12]})", ignored=ignored, weightless=weightless)
     mates = [r for r in others if r.round == round and r.sha256 in (sha256, "")]
     # most of the others that may average this round (those still showing the round before count as not
     # ready: right after a commit, a forger claiming readiness may be the only one showing the new round)
     ready = 2 * sum(weight(r.peer_id) for r in mates if r.ready) > \
         sum(weight(r.peer_id) for r in near if r.peer_id != me) + sum(map(weight, unsure))
     if not mates:
-        return Position(Verdict.ALONE, swarm_round, swarm_sha, expected, note="alone", ignored=ignored)
+        return Position(Verdict.ALONE, swarm_round, swarm_sha, expected, note="alone", ignored=ignored,
+                        weightless=weightless)
     return Position(Verdict.AVERAGE, swarm_round, swarm_sha, expected, others_ready=ready,
-                    note=f"{len(mates)} live peers share round {round}", ignored=ignored)
+                    note=f"{len(mates)} live peers share round {round}", ignored=ignored,
+                    weightless=weightless)

@@ -262,6 +262,9 @@ class Records:
                                  live_window(self.cfg), self.ledger.weights)
         for peer in position.ignored:
             self.access.note("ignored_claim", peer, "claims a round more than one past the swarm's majority")
+        for peer in position.weightless:
+            self.access.note("weightless_claim", peer, "claims a round ahead of ours, or another hash at ours, "
+                                                       "and never averaged with us (ledger.py): weighs nothing")
         return position
 
     def others_ready(self, outer_step: int) -> bool:

@@ -227,6 +227,13 @@ def test_votes_weigh_the_rounds_a_key_averaged_with_us(situation, others, commit
     assert position.swarm_sha256 != C and not set(SYBILS) & set(position.donors)
 
 
+def test_the_fresh_keys_that_weighed_nothing_are_named():
+    others = [progress("p", 3), progress("q", 4, B), *(progress(s, 4, C) for s in SYBILS)]
+    position = assess(ME, 3, A, [progress(ME, 3), *others], {}, NOW, WINDOW, ledger_weights)
+    assert position.weightless == tuple(sorted(SYBILS))  # q, a groupmate a round ahead, weighs: not named
+    assert assess(ME, 3, A, [progress(ME, 3), *others], {}, NOW, WINDOW).weightless == ()  # nothing known
+
+
 def test_without_a_ledger_fresh_keys_still_outvote_a_newcomer():
     """What the ledger does not cover, stated as a test: a peer that never averaged (a newcomer) counts
     identities, so 8 fresh keys are a majority to it (swarm.identity_work or an allowlist must protect it)."""
