@@ -116,8 +116,6 @@ def outcome(run: dict) -> dict:
         caught.append(f"newcomer {JOINER}: {run['joiner']}")
     if run.get("late_newcomer") is not None:
         caught.append(f"a newcomer after the attack: {run['late_newcomer']}")
-    if weightless := {e["peer_id"] for e in summary["events"] if e["event"] == "weightless_claim"}:
-        caught.append(f"weightless_claim: {len(weightless)} keys that never averaged with an honest peer")
     if run.get("attacker_says"):
         caught.append(run["attacker_says"].partition("sybil: ")[2] or run["attacker_says"])
     return {"rc": run["rc"], "wall_s": run["wall_s"], "honest": len(honest), "joiner": run.get("joiner"),

@@ -115,7 +115,7 @@ def claim(out: Optional[str], run_id: str, name: Optional[str], kind: str, lock:
 
 
 def start(folder: Path, cfg: Config, fresh: bool, networked: bool) -> None:
-    """Delete the folder's checkpoints and metrics with `fresh`; then log, as the peer's first line, whether it
+    """Delete the folder's checkpoints, metrics and ledger with `fresh`; then log, as the peer's first line, whether it
     resumes (and from which round) or starts fresh."""
     from swarm.checkpoint import Checkpointer, CorruptCheckpoint
 
@@ -126,6 +126,7 @@ def start(folder: Path, cfg: Config, fresh: bool, networked: bool) -> None:
         for path in sorted(set(gone)):
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         (folder / "metrics.csv").unlink(missing_ok=True)
+        (folder / "ledger.json").unlink(missing_ok=True)  # who it averaged with; its key (identity.key) stays
         log.info("peer folder %s: starting fresh (--fresh: %s)", folder,
                  f"deleted {len(set(gone))} checkpoint(s) in {where}" if gone else "there was no checkpoint")
         return

@@ -64,6 +64,7 @@ class Download:
     donor: str  # peer id
     bytes: int
     seconds: float
+    sha256: str = ""  # the state's hash (swarm/statehash.py), checked against what was downloaded
 
 
 @dataclass

@@ -39,6 +39,6 @@ ATTACKS = {
     "sybil": "mints identities that sign a forged fingerprint and manifest (swarm.identity_work: a proof of "
              "work per identity; without it a newcomer counts them as peers)",
     "sybil-quorum": "mints 8 identities that sign progress and commit records one round ahead of its own, on a "
-                    "perturbed hash they say they serve, from the run's second round on (ledger.py: a key that "
-                    "never averaged with a peer weighs nothing to it; a newcomer still counts identities)",
+                    "perturbed hash they say they serve, from the run's second round on (caught only where a peer "
+                    "is alone, by its ledger; among live peers the quorum counts identities: swarm.identity_work)",
 }

@@ -1,25 +1,24 @@
-"""Whose word counts: a peer's weight is the rounds it took part in, as this peer saw them.
+"""Whose commits count for a peer left alone: the keys that took part in a round with it, one vote each.
 
-Identities are free (a key pair takes a fraction of a second to make), so the rule that decides whose state an
-honest peer takes (policy.py) must not count identities: it weighs each voter by the rounds of the run that
-the voter averaged in together with this peer. `Ledger.record` keeps the members of every group this peer
-completed an all-reduce with, for the outer step it closed; the ledger lives in the peer's folder
-(`ledger.json`), beside its key (`identity.key`), so that a restart keeps both and the peer's weight in the
-others' ledgers still means the same key.
+Identities are free (a key pair takes a fraction of a second to make). Where no other peer is live (the first
+peer of a run, a restarted peer, the last one lingering), the last commit records decide where the swarm got to
+(policy.py), and one forged record at the next round made such a peer exit. So it counts only the keys it knows
+to have taken part in the run: `Ledger.record` keeps, per outer step, the members of every group this peer
+completed an all-reduce with, and the live peers whose records held a state it took from the swarm (its own
+group was outvoted, it fell behind, or it joined). The ledger lives in the peer's folder (`ledger.json`), beside
+its key (`identity.key`), so that a restart keeps both and the peer stays known under the same key.
 
-`Ledger.weights(s)`: the weights that decide outer step s, from the steps before s only (what happened at s is
-what is in dispute): one per recorded step a key was a member at (the cap per identity: a key weighs at most
-one member's share of a step, whatever samples it claimed), over the last `WINDOW` recorded steps before s, so
-a peer that left stops counting after WINDOW steps. With no step before s recorded (a newcomer, a run's first
-step) it is None, and the quorum rule counts identities, as it must where nothing is known yet.
+`Ledger.weights(s)`: who decides outer step s, from the steps before s only (what happened at s is what is in
+dispute): weight 1 for a key recorded at any of the last `WINDOW` recorded steps before s (a peer that left is
+forgotten after WINDOW steps), 0 for any other: one vote per known key, whatever it claims. With no step before
+s recorded (a newcomer, a run's first step) it is None, and identities count.
 
-What it promises, for a peer that has averaged with others: keys that were members of none of its last WINDOW
-groups weigh nothing, however many of them vote: they cannot make it take another state, skip a step, or stop
-(a forged commit record alone, when nobody else is live, neither). To steer it, an attacker must have been a
-member of more of its recent groups, and stayed, than the honest peers. What it does not promise: a newcomer
-(nothing recorded) still counts identities, as does every peer at a run's first step (protect an open swarm's
-newcomers with `swarm.identity_work` and a private one with `swarm.auth: allowlist`); and a key that takes part
-in groups earns weight like any other, what it sends bounded by the robust aggregation (allreduce/robust.py).
+What it promises, for a peer that has taken part: when nobody else is live, a hash of a later step counts only
+if at least half of the keys it knows signed it; keys it never met, however many, and one former groupmate of
+three, cannot make it take another state, skip a step, or stop. What it does not: among live peers the quorum
+counts identities (policy.py says why: counted by acquaintance, the halves of a split swarm never merged), so
+free identities that outnumber the live honest peers still steer them; a newcomer knows nobody; and the ledger
+is this peer's own view, not a certificate a stranger could check.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from typing import Iterable, Optional
 from swarm.errors import UsageError
 
 WINDOW = 64
-"""Outer steps before the disputed one that weigh: a member of any of them counts, one per step."""
+"""Outer steps before the disputed one that count: a key recorded at any of them has a vote."""
 KEPT = 2 * WINDOW  # steps kept in the file: a peer that resumes a few steps back still has its window
 MAX_MEMBERS = 4096  # members of one recorded group (a group beyond this was not formed by matchmaking)
 
@@ -47,25 +46,23 @@ class Ledger:
             self.steps = _load(path)
 
     def record(self, outer_step: int, members: Iterable[str]) -> None:
-        """The group that closed `outer_step` (this peer among its `members`). Called in the training thread while
-        the heartbeat may read the weights: the steps are replaced whole, never changed in place."""
-        steps = {**self.steps, outer_step: frozenset(list(members)[:MAX_MEMBERS])}
+        """Peers that took part in `outer_step`: the group this peer closed it with, or the holders of the state it
+        took for it (added to those already recorded). Called in the training thread while the heartbeat may
+        read the weights: the steps are replaced whole, never changed in place."""
+        known = self.steps.get(outer_step, frozenset())
+        steps = {**self.steps, outer_step: known | frozenset(list(members)[:MAX_MEMBERS - len(known)])}
         self.steps = {s: steps[s] for s in sorted(steps)[-KEPT:]}
         if self.path is not None:
             _save(self.path, self.steps)
 
     def weights(self, outer_step: int) -> Optional[dict[str, int]]:
-        """Each member's weight in the dispute over `outer_step`: how many of the last WINDOW recorded steps
-        before it counted that member; None if no step before it is recorded (count identities)."""
+        """The keys that vote in the dispute over `outer_step` (weight 1): those recorded at any of the last
+        WINDOW recorded steps before it; None if no step before it is recorded (count identities)."""
         steps = self.steps
         before = sorted(s for s in steps if s < outer_step)[-WINDOW:]
         if not before:
             return None
-        out: dict[str, int] = {}
-        for s in before:
-            for peer in steps[s]:
-                out[peer] = out.get(peer, 0) + 1
-        return out
+        return dict.fromkeys(frozenset().union(*(steps[s] for s in before)), 1)
 
 
 def _load(path: Path) -> dict[int, frozenset[str]]:

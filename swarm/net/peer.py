@@ -254,8 +254,8 @@ class SwarmAverager(Averager):
             return None
 
     def _decide(self, job: Averaging, group: Group, done: tuple[Traffic, float]) -> RoundOutcome:
-        """The group's average is in `job.out` on every member: its members weigh one more round in our ledger,
-        and from now on a lone survivor skips matchmaking."""
+        """The group's average is in `job.out` on every member: its members are known to our ledger for this
+        outer step, and from now on a lone survivor skips matchmaking."""
         self.records.ledger.record(job.outer_step + 1, [str(m) for m in group.members])
         self.averaged_once = True
         return job.averaged(group, *done)
@@ -315,6 +315,7 @@ class SwarmAverager(Averager):
                     tried[peer_id] = str(e)
                     must = must or bool(written)
                     continue
+                self.records.ledger.record(got.round, self._holders(got.round, got.sha256))
                 logger.info(f"fetched the state of round {got.round} from {peer_id}: {got.bytes / 1e6:.0f} MB in "
                             f"{got.seconds:.1f} s ({got.bytes / 1e6 / max(got.seconds, 1e-9):.0f} MB/s)")
                 return got
@@ -327,6 +328,13 @@ class SwarmAverager(Averager):
                     f"give its state within {time.monotonic() - start:.0f} s; tried: "
                     f"{', '.join(tried) or 'nobody serves it (every peer at that round has left)'}")
             time.sleep(self.cfg.progress_interval)
+
+    def _holders(self, round: int, sha256: str) -> list[str]:
+        """Us, and the live peers whose records hold (`round`, `sha256`) and that weigh something to us (all of
+        them while our ledger knows nothing before `round`): whom the ledger credits with a state we took."""
+        weight = policy.weigher(self.records.ledger.weights, round)
+        return [self.peer_id, *(r.peer_id for r in self.records.peers() if r.round == round and r.sha256 == sha256
+                                and policy.is_live(r, get_dht_time(), live_window(self.cfg)) and weight(r.peer_id))]
 
     def _check_state(self, got_round: int, got_sha: str, outer_step: int, sha256: str, must: bool) -> Optional[str]:
         """Why a donor's state of (got_round, got_sha) must not replace ours at (outer_step, sha256); None: take it."""

@@ -19,12 +19,15 @@ function itself does no I/O, so it is tested over tables of records (tests/net/t
   against the peers they catch up with. With no other peer live (every other peer left), the last commit
   records decide instead, the most votes winning: a peer that comes back after the others finished must not
   train on alone from an older round.
-- Weights (`weights`, ledger.py): identities are free, so a peer that has averaged with others weighs each
-  voter by the rounds it averaged in together with it (a key it never met weighs 0) wherever the rule above says
-  "peers": the quorum, the electorate, the last commits, readiness. With nobody else live, the last commits then
-  certify a hash only when they carry at least half of all the ledger's weight (a quorum of those we averaged
-  with: one former groupmate of three, a lone survivor or a forger, is not). A peer with nothing recorded (a
-  newcomer; everyone at a run's first round) counts identities, as below.
+- Alone, by the keys it knows (`weights`, ledger.py): with nobody else live, a peer that has taken part in the
+  run counts the last commits of the keys it knows took part with it in its recent rounds (a group it averaged
+  with, the holders of a state it took), one vote each, and certifies a hash only when at least half of those
+  keys signed it: one former groupmate of three, a lone survivor or a forger, is not, and a fresh key is nobody.
+  Among live peers the quorum still counts identities: weighing them by acquaintance made the halves of a swarm
+  split over two groups each count only its own members, and never merge (measured: the churn soak ended on 4
+  hashes, a 4-peer swarm in groups of 2 on 2), so free identities that outnumber the live honest peers still
+  steer it (the `sybil-quorum` attack; `swarm.identity_work` or an allowlist is what holds there). A peer with
+  nothing recorded (a newcomer; everyone at a run's first round) counts identities alone too.
 - One hash, one round (`truthful`): a state's hash binds its count of rounds, so a record of another peer that
   puts a hash we hold at another round is false and counts for nothing.
 - BEHIND: the swarm committed a later round than ours. Donors: live peers at that round on its hash that serve
@@ -82,7 +85,6 @@ class Position:
     others_ready: bool = False  # most live peers that may average our round finished their inner steps
     note: str = ""
     ignored: tuple[str, ...] = ()  # peers whose round claims were false or implausible (`truthful`, `plausible`)
-    weightless: tuple[str, ...] = ()  # live peers that claim a round ahead, or another hash at ours, weighing 0
 
 
 def is_live(record: ProgressRecord, now: float, window: float) -> bool:
@@ -92,16 +94,13 @@ def is_live(record: ProgressRecord, now: float, window: float) -> bool:
 def weigher(weights: Optional[Weights], round: int) -> Callable[[str], int]:
     """A peer's weight in the dispute over `round`: its ledger weight, 0 for a key the ledger does not know; 1
     for everyone where no weights are known (a newcomer, a run's first round)."""
-    return _by(weights(round) if weights is not None else None)
-
-
-def _by(table: Optional[Mapping[str, int]]) -> Callable[[str], int]:
+    table = weights(round) if weights is not None else None
     return (lambda peer: 1) if table is None else (lambda peer: table.get(peer, 0))
 
 
 def _certifies(weight: int, weights: Optional[Weights], round: int) -> bool:
     """Whether `weight` of last commits certifies a hash at `round` while nobody else is live: with weights, at
-    least half of all the ledger's weight for that round, as the quorum rule asks of live peers (one of three
+    least half of the keys the ledger knows for that round, as the quorum rule asks of live peers (one of three
     former groupmates, a lone survivor or a forger, is not); without, any (the most votes win)."""
     table = weights(round) if weights is not None else None
     return table is None or 2 * weight >= sum(table.values())
@@ -167,9 +166,9 @@ def ceiling(me: str, live: Sequence[ProgressRecord]) -> Optional[int]:
 
 def certified(me: str, progress: Sequence[ProgressRecord], commits: Mapping[str, CommitRecord], now: float,
               window: float, weights: Optional[Weights] = None) -> dict[int, str]:
-    """Per round s, the hash the swarm committed there, by the quorum rule (module docstring), each peer weighed
-    by `weights` (ledger.py; None: one identity, one vote). With no other peer live (every other peer has left),
-    the plausible last commits decide instead, the most weight winning."""
+    """Per round s, the hash the swarm committed there, by the quorum rule (module docstring), one identity one
+    vote. With no other peer live (every other peer has left), the plausible last commits decide instead, by
+    `weights` where known (ledger.py: at least half of the keys this peer knows), else the most votes winning."""
     progress = truthful(me, progress, {r.sha256: r.round for r in progress if r.peer_id == me and r.sha256})
     live = [r for r in progress if is_live(r, now, window)]
     if not any(r.peer_id != me for r in live):
@@ -181,12 +180,11 @@ def certified(me: str, progress: Sequence[ProgressRecord], commits: Mapping[str,
     tally: dict[int, Counter] = defaultdict(Counter)
     for r in live:
         if r.sha256 and r.serves_state and (top is None or r.round <= top):
-            if weight := weigher(weights, r.round)(r.peer_id):
-                tally[r.round][r.sha256] += weight
+            tally[r.round][r.sha256] += 1
     out = {}
     for s, counts in tally.items():
-        best, weight = winner(counts), weigher(weights, s)
-        if 2 * counts[best] >= sum(weight(r.peer_id) for r in live if r.round >= s - 1 or r.serves_state):
+        best = winner(counts)
+        if 2 * counts[best] >= sum(1 for r in live if r.round >= s - 1 or r.serves_state):
             out[s] = best
     return out
 
@@ -199,49 +197,36 @@ def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
     held = {r.sha256: r.round for r in progress if r.peer_id == me and r.sha256} | ({sha256: round} if sha256 else {})
     progress = truthful(me, progress, held)
     committed = certified(me, progress, commits, now, window, weights)
-    weightless = tuple(sorted(
-        r.peer_id for r in progress if r.peer_id != me and is_live(r, now, window) and r.sha256
-        and (r.round > round or (r.round == round and r.sha256 != sha256))
-        and weights is not None and weights(r.round) is not None and not weigher(weights, r.round)(r.peer_id)))
     holders = [r for r in progress if is_live(r, now, window) and r.peer_id != me and r.serves_state]
     progress, commits = plausible(me, progress, commits, now, window)
     ignored = tuple(sorted(claimed - {r.peer_id for r in progress} - set(commits)))
-    unsure = live_ids - {r.peer_id for r in progress}  # live, at a round it does not tell: may join us
+    unsure = len(live_ids - {r.peer_id for r in progress})  # live, at a round it does not tell: may join us
     live = [r for r in progress if is_live(r, now, window)]
     swarm_round = max([round, *committed])
     swarm_sha = committed.get(swarm_round)
     if not any(r.peer_id == me for r in live):
         return Position(Verdict.UNSURE, swarm_round, swarm_sha, None, note="progress records unreadable",
-                        ignored=ignored, weightless=weightless)
+                        ignored=ignored)
     others = [r for r in live if r.peer_id != me]
     if swarm_round > round:
         donors = sorted(r.peer_id for r in holders if r.round == swarm_round and r.sha256 == swarm_sha)
         return Position(Verdict.BEHIND, swarm_round, swarm_sha, None, tuple(donors),
                         note=f"behind: the swarm committed round {swarm_round}, we hold round {round}",
-                        ignored=ignored, weightless=weightless)
+                        ignored=ignored)
     # peers a round ahead whose claim the quorum did not take may be at ours (the claim-ahead attack: left out
     # of the count, it closed our groups one member short, leaving an honest peer out)
-    # (with weights, a key without any counts only at our very round: a newcomer that took the state may join,
-    # a stranger claiming the next round would only make the group wait for it)
-    table = weights(round + 1) if weights is not None else None  # the round we are about to close
-    weight = _by(table)
-    near = [r for r in live if r.round in (round - 1, round, round + 1)]
-    expected = sum(1 for r in near if table is None or weight(r.peer_id) or r.round == round) + \
-        sum(1 for p in unsure if table is None or weight(p))
+    expected = sum(1 for r in live if r.round in (round - 1, round, round + 1)) + unsure
     majority = committed.get(round, sha256)
     if majority != sha256:
         donors = tuple(sorted(r.peer_id for r in holders if r.round == round and r.sha256 == majority))
         return Position(Verdict.DIVERGED, swarm_round, swarm_sha, expected, donors,
                         note=f"most live peers at round {round} hold other global parameters than ours "
-                             f"({majority[:12]})", ignored=ignored, weightless=weightless)
+                             f"({majority[:12]})", ignored=ignored)
     mates = [r for r in others if r.round == round and r.sha256 in (sha256, "")]
     # most of the others that may average this round (those still showing the round before count as not
     # ready: right after a commit, a forger claiming readiness may be the only one showing the new round)
-    ready = 2 * sum(weight(r.peer_id) for r in mates if r.ready) > \
-        sum(weight(r.peer_id) for r in near if r.peer_id != me) + sum(map(weight, unsure))
+    ready = 2 * sum(r.ready for r in mates) > expected - 1
     if not mates:
-        return Position(Verdict.ALONE, swarm_round, swarm_sha, expected, note="alone", ignored=ignored,
-                        weightless=weightless)
+        return Position(Verdict.ALONE, swarm_round, swarm_sha, expected, note="alone", ignored=ignored)
     return Position(Verdict.AVERAGE, swarm_round, swarm_sha, expected, others_ready=ready,
-                    note=f"{len(mates)} live peers share round {round}", ignored=ignored,
-                    weightless=weightless)
+                    note=f"{len(mates)} live peers share round {round}", ignored=ignored)

@@ -5,8 +5,8 @@ it stands by the records of others (`policy.assess`).
   `PeerStats`, for watchers); a heartbeat thread re-stores it every `cfg.progress_interval`, so a record
   that stopped changing is a dead peer's (policy.py).
 - `offer_state()`: the commit record of a snapshot, then serving it, done by the heartbeat as well.
-- `peers()`, `assess()`: the run's records as their signers wrote them, and the policy's verdict on them,
-  each peer weighed by the rounds it averaged with us (`ledger`, ledger.py); peers whose claims the policy
+- `peers()`, `assess()`: the run's records as their signers wrote them, and the policy's verdict on them (with
+  nobody else live, by the last commits of the keys `ledger` knows: ledger.py); peers whose claims the policy
   ignored are noted in this peer's events (access.py).
 - `others_ready()`: whether most live groupmates finished their inner steps (the trainer asks after every
   inner step; the DHT is read at most once per `progress_interval`).
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 class Records:
     """A peer's own progress and commit records, stored by a heartbeat thread (`start()` ... `close()`), and
-    its reading of everyone's records, each peer weighed by `ledger` (ledger.py). `server` is the peer's state
+    its reading of everyone's records, with the keys `ledger` knows (ledger.py). `server` is the peer's state
     server: a state is served (`serving`) once its commit record is stored."""
 
     def __init__(self, cfg: SwarmConfig, dht: hivemind.DHT, peer_id: str, peer_name: str, owner: bytes,
@@ -262,9 +262,6 @@ class Records:
                                  live_window(self.cfg), self.ledger.weights)
         for peer in position.ignored:
             self.access.note("ignored_claim", peer, "claims a round more than one past the swarm's majority")
-        for peer in position.weightless:
-            self.access.note("weightless_claim", peer, "claims a round ahead of ours, or another hash at ours, "
-                                                       "and never averaged with us (ledger.py): weighs nothing")
         return position
 
     def others_ready(self, outer_step: int) -> bool:

@@ -179,6 +179,6 @@ async def download(p2p: P2P, peer: PeerID, name: str, stall: float, min_bandwidt
             intake.accept(meta, round)
         except ValueError as e:
             raise StateRefused(str(e)) from None
-        return Download(round, str(peer), channel.traffic.received, time.monotonic() - start)
+        return Download(round, str(peer), channel.traffic.received, time.monotonic() - start, got_sha)
     finally:
         channel.close()

@@ -1,5 +1,5 @@
-"""swarm/net/ledger.py: a key weighs the recent rounds it averaged with us, at most one per round; the ledger
-survives a restart, and a damaged one is refused naming its file."""
+"""swarm/net/ledger.py: a key that took part in one of our recent rounds has one vote, a stranger none; the
+ledger survives a restart, and a damaged one is refused naming its file."""
 
 import pytest
 
@@ -7,14 +7,15 @@ from swarm.errors import UsageError
 from swarm.net.ledger import KEPT, WINDOW, Ledger
 
 
-def test_a_key_weighs_the_earlier_rounds_it_averaged_in_one_per_round():
+def test_a_key_that_took_part_in_an_earlier_round_has_one_vote():
     ledger = Ledger()
     assert ledger.weights(1) is None  # nothing known: count identities
     ledger.record(1, ["me", "p"])
     ledger.record(2, ["me", "p", "q", "q"])  # a member twice in one group is one member
+    ledger.record(2, ["me", "q"])  # the holders of a state taken for round 2: added, once each
     assert ledger.weights(1) is None  # round 1 itself is what is in dispute
     assert ledger.weights(2) == {"me": 1, "p": 1}
-    assert ledger.weights(3) == {"me": 2, "p": 2, "q": 1}
+    assert ledger.weights(3) == {"me": 1, "p": 1, "q": 1}  # one vote, however many rounds
     assert ledger.weights(3).get("stranger", 0) == 0
 
 
@@ -24,7 +25,7 @@ def test_only_the_last_window_of_rounds_weighs_and_the_file_stays_bounded(tmp_pa
     for s in range(2, WINDOW + 3):
         ledger.record(s, ["me", "p"])
     weights = ledger.weights(WINDOW + 3)
-    assert weights == {"me": WINDOW, "p": WINDOW}  # "gone" left more than WINDOW rounds ago
+    assert weights == {"me": 1, "p": 1}  # "gone" left more than WINDOW rounds ago
     for s in range(WINDOW + 3, 3 * KEPT):
         ledger.record(s, ["me"])
     assert len(Ledger(tmp_path / "ledger.json").steps) == KEPT
