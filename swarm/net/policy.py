@@ -24,8 +24,8 @@ function itself does no I/O, so it is tested over tables of records (tests/net/t
   with, the holders of a state it took), one vote each, and certifies a hash only when at least half of those
   keys signed it: one former groupmate of three, a lone survivor or a forger, is not, and a fresh key is nobody.
   Among live peers the quorum still counts identities: weighing them by acquaintance made the halves of a swarm
-  split over two groups each count only its own members, and never merge (measured: the churn soak ended on 4
-  hashes, a 4-peer swarm in groups of 2 on 2), so free identities that outnumber the live honest peers still
+  split over two groups each count only its own members, and never merge (measured: 4 peers in groups of 2 for
+  3 rounds ended on 2 hashes), so free identities that outnumber the live honest peers still
   steer it (the `sybil-quorum` attack; `swarm.identity_work` or an allowlist is what holds there). A peer with
   nothing recorded (a newcomer; everyone at a run's first round) counts identities alone too.
 - One hash, one round (`truthful`): a state's hash binds its count of rounds, so a record of another peer that
