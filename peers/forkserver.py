@@ -352,26 +352,11 @@ def _reap(children: set[int]) -> None:
         _send({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
-def _spawn(request: dict, server: int) -> int:
-    """A child as a fresh interpreter (`python -m peers.forkserver --child SERVER REQUEST`), for a server whose
-    imports started Python threads: a fork copies no thread but every lock one of them may hold at that moment
-    (the import lock, a logging handler's), and a child that needs such a lock waits for ever. The child pays
-    the imports; everything else is as for a forked one (`_child`). Threads that native libraries start on their
-    own (an OpenMP pool) hold no lock of the interpreter's: those do not count."""
-    argv = [sys.executable, "-m", "peers.forkserver", "--child", str(server), json.dumps(request)]
-    return os.posix_spawn(sys.executable, argv, dict(os.environ))
-
-
 def main(preload: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C; we report how children end
     os.environ.setdefault("MPLBACKEND", "Agg")
     for name in preload:
         importlib.import_module(name)
-    threads = threading.active_count()
-    if threads > 1:
-        print(f"fork server: the imports started {threads - 1} Python thread(s) "
-              f"({', '.join(t.name for t in threading.enumerate()[1:])}); children start as fresh interpreters",
-              file=sys.stderr, flush=True)
     children: set[int] = set()
 
     def stop(*_) -> None:
@@ -390,12 +375,9 @@ def main(preload: list[str]) -> None:
             request = requests.next(REAP_INTERVAL_S)
             if request is None:
                 continue
-            if threads > 1:
-                pid = _spawn(request, me)
-            else:
-                pid = os.fork()
-                if pid == 0:
-                    _child(request, me)
+            pid = os.fork()
+            if pid == 0:
+                _child(request, me)
             children.add(pid)
             _send({"id": request["id"], "pid": pid})
     except SystemExit:
@@ -405,6 +387,4 @@ def main(preload: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--child"]:  # `_spawn`'s fresh interpreter
-        _child(json.loads(sys.argv[3]), int(sys.argv[2]))
     main(sys.argv[1:])

@@ -116,7 +116,7 @@ def _run_endpoint(cfg: Config, out_dir: Path, name: Optional[str], ranks: Ranks)
     status.update(force=True, name=name, state="starting", round=0, step=0, loss=None)
 
     run = run_identity(cfg)  # prepares the corpus if it is not yet: its hash is part of the run
-    # the key and the ledger stay in the peer's folder: a restart keeps its peer id and its weight (ledger.py)
+    # the key and the ledger stay in the peer's folder: a restart is the same peer to the swarm (ledger.py)
     identity = with_work(load_identity(cfg.swarm.identity or str(out_dir / "identity.key")), cfg.swarm.identity_work)
     dht = start_dht(cfg.swarm, identity, run=run)
     averager, trainer = None, None

@@ -140,7 +140,7 @@ class SwarmConfig:
     identity: Optional[str] = None
     """This peer's key file (created if missing): its peer id and the signature on its DHT records
     (swarm/net/identity.py). None: `identity.key` in the peer's folder, so that a restart keeps its peer id and
-    the weight the others' ledgers give it (swarm/net/ledger.py)."""
+    stays known to the others' ledgers (swarm/net/ledger.py)."""
     auth: Literal["open", "allowlist"] = "open"
     """open: anyone may join. allowlist: only `allowed_peers` may write this run's DHT records, meet in
     groups, send to the all-reduce or download the state (a private swarm)."""

@@ -114,16 +114,12 @@ class Fragment:
         if shards is None:
             return pseudo_grad, out
         for j, i in enumerate(self.indices):
-            offset, end = shards.layout.span(i)
-            for start in range(0, end - offset, Buffers.PIECE):
-                stop = min(end - offset, start + Buffers.PIECE)
-                shards.given.write(i, offset + start, pseudo_grad.read(j, start, stop))
+            shards.given.write_rows(i, lambda start, end, j=j: pseudo_grad.read(j, start, end))
         finite = shards.all_true(pseudo_grad.is_finite())  # a collective: every rank's rows are written after it
         if not shards.root:
             return pseudo_grad, out
         return OnNode(shards.given.vector(self.indices), residual, finite), shards.average.vector(self.indices)
 
-    @torch.no_grad()
     def unwire(self, averaged: Optional[Buffers], out: Sequence[torch.Tensor]) -> None:
         """A sharded peer whose exchange committed (every rank, after rank 0 told them): each rank's rows of the
         average, from the node-local file rank 0's averager wrote it into, into its `out`."""
@@ -131,11 +127,7 @@ class Fragment:
         if shards.root and not (isinstance(averaged, NodeVector) and averaged.file is shards.average):
             raise RuntimeError("the averager wrote the average elsewhere than into the buffers it was given")
         for j, i in enumerate(self.indices):
-            offset, end = shards.layout.span(i)
-            flat = out[j].view(-1)
-            for start in range(0, end - offset, Buffers.PIECE):
-                stop = min(end - offset, start + Buffers.PIECE)
-                flat[start:stop].copy_(shards.average.read(i, offset + start, offset + stop))
+            shards.average.read_rows(i, out[j])
 
     def outer_grads(self) -> list[torch.Tensor]:
         return [torch.empty_like(g) for g in self.global_params]

@@ -40,7 +40,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -176,6 +176,24 @@ class NodeFile:
                 raise RuntimeError(f"the exchange file ends before element {start + done // 4} of tensor {index}")
             done += got
         return out
+
+    def _rows(self, index: int) -> Iterator[tuple[int, int, int]]:
+        """This rank's rows of tensor `index`, a piece at a time: (file offset, local start, local end)."""
+        offset, end = self.layout.span(index)
+        for start in range(0, end - offset, Buffers.PIECE):
+            yield offset + start, start, min(end - offset, start + Buffers.PIECE)
+
+    def write_rows(self, index: int, read: Callable[[int, int], torch.Tensor]) -> None:
+        """This rank's rows of tensor `index` <- `read(start, end)` (flat elements of the rank's shard)."""
+        for at, start, end in self._rows(index):
+            self.write(index, at, read(start, end))
+
+    @torch.no_grad()
+    def read_rows(self, index: int, out: torch.Tensor) -> None:
+        """This rank's rows of tensor `index` -> `out`, the rank's shard of it (any device and dtype)."""
+        flat = out.view(-1)
+        for at, start, end in self._rows(index):
+            flat[start:end].copy_(self.read(index, at, at + end - start))
 
     def vector(self, indices: Sequence[int]) -> NodeVector:
         return NodeVector(self, indices)

@@ -48,34 +48,3 @@ def test_a_launcher_forked_from_a_fork_server_forks_its_own_and_its_children_end
     assert (tmp_path / "grandchild.out").read_text().strip() == "grandchild -9"
     assert "ValueError: uncaught" in (tmp_path / "raise.out").read_text()
     assert lines.count("launcher finally") == 1 and len(lines) == 4
-
-
-THREADED = """
-import threading, time
-threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
-"""
-
-FRESH = """
-import sys
-print("preloaded" if "threaded_preload" in sys.modules else "fresh", sys.argv[1:])
-sys.exit(3)
-"""
-
-
-@pytest.mark.timeout(120)
-def test_a_server_whose_imports_start_a_thread_starts_its_children_as_fresh_interpreters(tmp_path: Path,
-                                                                                           monkeypatch):
-    """A fork would copy the locks that thread may hold, not the thread: each child is a fresh interpreter, run
-    as a forked one would be (its argv, its output file, its exit status)."""
-    from peers.forkserver import ForkServer
-
-    (tmp_path / "threaded_preload.py").write_text(textwrap.dedent(THREADED))
-    (tmp_path / "child.py").write_text(textwrap.dedent(FRESH))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    server = ForkServer(preload=("threaded_preload",))
-    try:
-        child = server.spawn(["a", "b"], tmp_path / "child.out", script=tmp_path / "child.py", cwd=tmp_path)
-        assert child.wait(60) == 3
-    finally:
-        server.close()
-    assert (tmp_path / "child.out").read_text().strip() == "fresh ['a', 'b']"

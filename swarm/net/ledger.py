@@ -8,10 +8,10 @@ completed an all-reduce with, and the live peers whose records held a state it t
 group was outvoted, it fell behind, or it joined). The ledger lives in the peer's folder (`ledger.json`), beside
 its key (`identity.key`), so that a restart keeps both and the peer stays known under the same key.
 
-`Ledger.weights(s)`: who decides outer step s, from the steps before s only (what happened at s is what is in
-dispute): weight 1 for a key recorded at any of the last `WINDOW` recorded steps before s (a peer that left is
-forgotten after WINDOW steps), 0 for any other: one vote per known key, whatever it claims. With no step before
-s recorded (a newcomer, a run's first step) it is None, and identities count.
+`Ledger.known(s)`: who decides outer step s, from the steps before s only (what happened at s is what is in
+dispute): the keys recorded at any of the last `WINDOW` recorded steps before s (a peer that left is forgotten
+after WINDOW steps), one vote each, whatever it claims. With no step before s recorded (a newcomer, a run's first
+step) it is None, and identities count.
 
 What it promises, for a peer that has taken part: when nobody else is live, a hash of a later step counts only
 if at least half of the keys it knows signed it; keys it never met, however many, and one former groupmate of
@@ -48,21 +48,21 @@ class Ledger:
     def record(self, outer_step: int, members: Iterable[str]) -> None:
         """Peers that took part in `outer_step`: the group this peer closed it with, or the holders of the state it
         took for it (added to those already recorded). Called in the training thread while the heartbeat may
-        read the weights: the steps are replaced whole, never changed in place."""
+        read them: the steps are replaced whole, never changed in place."""
         known = self.steps.get(outer_step, frozenset())
         steps = {**self.steps, outer_step: known | frozenset(list(members)[:MAX_MEMBERS - len(known)])}
         self.steps = {s: steps[s] for s in sorted(steps)[-KEPT:]}
         if self.path is not None:
             _save(self.path, self.steps)
 
-    def weights(self, outer_step: int) -> Optional[dict[str, int]]:
-        """The keys that vote in the dispute over `outer_step` (weight 1): those recorded at any of the last
-        WINDOW recorded steps before it; None if no step before it is recorded (count identities)."""
+    def known(self, outer_step: int) -> Optional[frozenset[str]]:
+        """The keys that vote in the dispute over `outer_step`: those recorded at any of the last WINDOW recorded
+        steps before it; None if no step before it is recorded (count identities)."""
         steps = self.steps
         before = sorted(s for s in steps if s < outer_step)[-WINDOW:]
         if not before:
             return None
-        return dict.fromkeys(frozenset().union(*(steps[s] for s in before)), 1)
+        return frozenset().union(*(steps[s] for s in before))
 
 
 def _load(path: Path) -> dict[int, frozenset[str]]:
@@ -72,7 +72,7 @@ def _load(path: Path) -> dict[int, frozenset[str]]:
         if data["version"] != 1 or not all(isinstance(m, str) for ms in steps.values() for m in ms):
             raise ValueError("not a ledger of version 1")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise UsageError(f"the ledger {path} is unreadable ({e}); delete it to start this peer's with nothing "
+        raise UsageError(f"the ledger {path} is unreadable ({e}); delete it to start this peer with nothing "
                          f"recorded (it then counts identities until it averages with others again)") from None
     return steps
 

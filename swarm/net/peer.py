@@ -330,11 +330,11 @@ class SwarmAverager(Averager):
             time.sleep(self.cfg.progress_interval)
 
     def _holders(self, round: int, sha256: str) -> list[str]:
-        """Us, and the live peers whose records hold (`round`, `sha256`) and that weigh something to us (all of
-        them while our ledger knows nothing before `round`): whom the ledger credits with a state we took."""
-        weight = policy.weigher(self.records.ledger.weights, round)
+        """Us, and the live peers whose records hold (`round`, `sha256`) and that vote on it for us (all of them
+        while our ledger knows nothing before `round`): whom the ledger credits with a state we took."""
+        votes = policy.votes_on(self.records.ledger.known, round)
         return [self.peer_id, *(r.peer_id for r in self.records.peers() if r.round == round and r.sha256 == sha256
-                                and policy.is_live(r, get_dht_time(), live_window(self.cfg)) and weight(r.peer_id))]
+                                and policy.is_live(r, get_dht_time(), live_window(self.cfg)) and votes(r.peer_id))]
 
     def _check_state(self, got_round: int, got_sha: str, outer_step: int, sha256: str, must: bool) -> Optional[str]:
         """Why a donor's state of (got_round, got_sha) must not replace ours at (outer_step, sha256); None: take it."""
@@ -346,7 +346,7 @@ class SwarmAverager(Averager):
         commits.pop(self.peer_id, None)  # our own vote is the state we are replacing
         others = [r for r in self.records.peers() if r.peer_id != self.peer_id]
         committed = policy.certified(self.peer_id, others, commits, get_dht_time(), live_window(self.cfg),
-                                     self.records.ledger.weights).get(got_round)
+                                     self.records.ledger.known).get(got_round)
         if committed is None:
             return f"no hash of round {got_round} is held by half of the live peers (the quorum rule)"
         if committed != got_sha:

@@ -19,7 +19,7 @@ function itself does no I/O, so it is tested over tables of records (tests/net/t
   against the peers they catch up with. With no other peer live (every other peer left), the last commit
   records decide instead, the most votes winning: a peer that comes back after the others finished must not
   train on alone from an older round.
-- Alone, by the keys it knows (`weights`, ledger.py): with nobody else live, a peer that has taken part in the
+- Alone, by the keys it knows (`known`, ledger.py): with nobody else live, a peer that has taken part in the
   run counts the last commits of the keys it knows took part with it in its recent rounds (a group it averaged
   with, the holders of a state it took), one vote each, and certifies a hash only when at least half of those
   keys signed it: one former groupmate of three, a lone survivor or a forger, is not, and a fresh key is nobody.
@@ -63,8 +63,8 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from swarm.net.schema import CommitRecord, ProgressRecord
 
-Weights = Callable[[int], Optional[Mapping[str, int]]]
-"""The weights that decide a round s, by peer id (ledger.py `Ledger.weights`); None for s: count identities."""
+Known = Callable[[int], Optional[frozenset[str]]]
+"""The keys that vote on a round s (ledger.py `Ledger.known`); None for s: every identity votes."""
 
 
 class Verdict(Enum):
@@ -91,19 +91,19 @@ def is_live(record: ProgressRecord, now: float, window: float) -> bool:
     return now - record.time <= window
 
 
-def weigher(weights: Optional[Weights], round: int) -> Callable[[str], int]:
-    """A peer's weight in the dispute over `round`: its ledger weight, 0 for a key the ledger does not know; 1
-    for everyone where no weights are known (a newcomer, a run's first round)."""
-    table = weights(round) if weights is not None else None
-    return (lambda peer: 1) if table is None else (lambda peer: table.get(peer, 0))
+def votes_on(known: Optional[Known], round: int) -> Callable[[str], bool]:
+    """Whether a peer votes on `round`: a key the ledger knows, or anyone where it knows nothing (a newcomer, a
+    run's first round)."""
+    keys = known(round) if known is not None else None
+    return (lambda peer: True) if keys is None else keys.__contains__
 
 
-def _certifies(weight: int, weights: Optional[Weights], round: int) -> bool:
-    """Whether `weight` of last commits certifies a hash at `round` while nobody else is live: with weights, at
-    least half of the keys the ledger knows for that round, as the quorum rule asks of live peers (one of three
-    former groupmates, a lone survivor or a forger, is not); without, any (the most votes win)."""
-    table = weights(round) if weights is not None else None
-    return table is None or 2 * weight >= sum(table.values())
+def _certifies(count: int, known: Optional[Known], round: int) -> bool:
+    """Whether `count` last commits certify a hash at `round` while nobody else is live: with a ledger, at least
+    half of the keys it knows for that round, as the quorum rule asks of live peers (one of three former
+    groupmates, a lone survivor or a forger, is not); without, any (the most votes win)."""
+    keys = known(round) if known is not None else None
+    return keys is None or 2 * count >= len(keys)
 
 
 def _lower_median(values: list[int]) -> int:
@@ -139,14 +139,14 @@ def plausible(me: str, progress: Sequence[ProgressRecord], commits: Mapping[str,
 
 
 def votes(progress: Sequence[ProgressRecord], commits: Mapping[str, CommitRecord], now: float,
-          window: float, weights: Optional[Weights] = None) -> dict[int, Counter]:
-    """Per round, the weight of the peers that vouch for each hash: live peers by their progress record, others
-    by their last commit record (a key of weight 0 vouches for nothing)."""
+          window: float, known: Optional[Known] = None) -> dict[int, Counter]:
+    """Per round, how many peers vouch for each hash: live peers by their progress record, others by their last
+    commit record (with `known`, only the keys that vote on that round)."""
     live = {r.peer_id: r for r in progress if is_live(r, now, window)}
     tally: dict[int, Counter] = defaultdict(Counter)
     for peer, record in [*live.items(), *((p, c) for p, c in commits.items() if p not in live)]:
-        if record.sha256 and (weight := weigher(weights, record.round)(peer)):
-            tally[record.round][record.sha256] += weight
+        if record.sha256 and votes_on(known, record.round)(peer):
+            tally[record.round][record.sha256] += 1
     return tally
 
 
@@ -165,17 +165,18 @@ def ceiling(me: str, live: Sequence[ProgressRecord]) -> Optional[int]:
 
 
 def certified(me: str, progress: Sequence[ProgressRecord], commits: Mapping[str, CommitRecord], now: float,
-              window: float, weights: Optional[Weights] = None) -> dict[int, str]:
+              window: float, known: Optional[Known] = None) -> dict[int, str]:
     """Per round s, the hash the swarm committed there, by the quorum rule (module docstring), one identity one
     vote. With no other peer live (every other peer has left), the plausible last commits decide instead, by
-    `weights` where known (ledger.py: at least half of the keys this peer knows), else the most votes winning."""
+    the keys `known` to this peer where it knows any (ledger.py: at least half of them), else the most votes
+    winning."""
     progress = truthful(me, progress, {r.sha256: r.round for r in progress if r.peer_id == me and r.sha256})
     live = [r for r in progress if is_live(r, now, window)]
     if not any(r.peer_id != me for r in live):
         progress, commits = plausible(me, progress, commits, now, window)
-        tally = votes(progress, commits, now, window, weights)
+        tally = votes(progress, commits, now, window, known)
         return {s: best for s, counts in tally.items()
-                if (best := winner(counts)) and _certifies(counts[best], weights, s)}
+                if (best := winner(counts)) and _certifies(counts[best], known, s)}
     top = ceiling(me, live)
     tally: dict[int, Counter] = defaultdict(Counter)
     for r in live:
@@ -191,12 +192,12 @@ def certified(me: str, progress: Sequence[ProgressRecord], commits: Mapping[str,
 
 def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
            commits: Mapping[str, CommitRecord], now: float, window: float,
-           weights: Optional[Weights] = None) -> Position:
+           known: Optional[Known] = None) -> Position:
     claimed = {r.peer_id for r in progress} | set(commits)
     live_ids = {r.peer_id for r in progress if is_live(r, now, window)}
     held = {r.sha256: r.round for r in progress if r.peer_id == me and r.sha256} | ({sha256: round} if sha256 else {})
     progress = truthful(me, progress, held)
-    committed = certified(me, progress, commits, now, window, weights)
+    committed = certified(me, progress, commits, now, window, known)
     holders = [r for r in progress if is_live(r, now, window) and r.peer_id != me and r.serves_state]
     progress, commits = plausible(me, progress, commits, now, window)
     ignored = tuple(sorted(claimed - {r.peer_id for r in progress} - set(commits)))

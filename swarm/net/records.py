@@ -259,7 +259,7 @@ class Records:
         if records is None:
             return policy.Position(policy.Verdict.UNSURE, outer_step, None, None, note="commit records unreadable")
         position = policy.assess(self.peer_id, outer_step, sha256, self.peers(), records, get_dht_time(),
-                                 live_window(self.cfg), self.ledger.weights)
+                                 live_window(self.cfg), self.ledger.known)
         for peer in position.ignored:
             self.access.note("ignored_claim", peer, "claims a round more than one past the swarm's majority")
         return position

@@ -205,14 +205,14 @@ ALONE = [
 ]
 
 
-def ledger_weights(round: int):
+def ledger_known(round: int):
     before = [s for s in LEDGER if s < round]
-    return {peer: 1 for s in before for peer in LEDGER[s]} if before else None
+    return frozenset().union(*(LEDGER[s] for s in before)) if before else None
 
 
 @pytest.mark.parametrize("situation,commits,verdict", ALONE, ids=[row[0] for row in ALONE])
 def test_alone_only_keys_that_took_part_with_us_vote(situation, commits, verdict):
-    position = assess(ME, 3, A, [progress(ME, 3)], commits, NOW, WINDOW, ledger_weights)
+    position = assess(ME, 3, A, [progress(ME, 3)], commits, NOW, WINDOW, ledger_known)
     assert (position.verdict, position.donors) == (verdict, ()), position.note
     assert position.swarm_sha256 != C
     without = assess(ME, 3, A, [progress(ME, 3)], commits, NOW, WINDOW)  # nothing known: the most votes win
@@ -224,5 +224,5 @@ def test_among_live_peers_fresh_keys_that_outnumber_the_honest_still_count():
     them by acquaintance split swarms, swarm/net/policy.py), so 8 fresh keys voting the next round are a majority,
     with or without a ledger (swarm.identity_work or an allowlist must hold them off)."""
     others = [progress("p", 3), progress("q", 3), *(progress(s, 4, C) for s in SYBILS)]
-    for weights in (None, ledger_weights):
-        assert assess(ME, 3, A, [progress(ME, 3), *others], {}, NOW, WINDOW, weights).verdict == Verdict.BEHIND
+    for known in (None, ledger_known):
+        assert assess(ME, 3, A, [progress(ME, 3), *others], {}, NOW, WINDOW, known).verdict == Verdict.BEHIND
