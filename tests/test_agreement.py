@@ -71,3 +71,22 @@ def test_a_swarm_split_over_two_groups_round_after_round_ends_on_one_hash(tmp_pa
     summary = run_local(swarm_cmd, tmp_path, "--peers", "4", "--rounds", "3", "--swarm.target_group_size", "2")
     assert len({p["final_global_sha256"] for p in summary["peers"]}) == 1
     assert all(p["rounds_completed"] == 3 for p in summary["peers"])
+
+
+@pytest.mark.timeout(240)
+def test_free_identities_voting_a_round_ahead_steer_neither_the_honest_nor_a_newcomer(tmp_path, swarm_cmd):
+    """sybil-quorum: peer 3 mints 8 keys that claim, every progress interval, one outer step past it on a perturbed
+    hash, serving it: more voters than the honest peers. One identity one vote, every honest peer ended BEHIND a
+    state nobody serves and exited 1. Only votes that certificates back count (swarm/net/certificates.py), so
+    the honest peers and a newcomer joining at round 3 end on the honest lineage's hash, nobody banned."""
+    summary = run_local(swarm_cmd, tmp_path, "--peers", "4", "--rounds", "4", "--hostile", "sybil-quorum@3",
+                        "--join", "3")
+    honest = [p for p in summary["peers"] if "hostile" not in p]
+    assert sorted(p["name"] for p in honest) == ["peer-0", "peer-1", "peer-2", "peer-4"]
+    assert len({p["final_global_sha256"] for p in summary["peers"]}) == 1
+    for peer in honest:
+        assert not [e for e in peer["events"] if e["event"] == "banned"], peer["name"]
+        if peer["name"] != "peer-4":
+            assert [r["committed"] for r in peer["rounds"]] == [True] * 4, peer["name"]
+    (newcomer,) = [p for p in honest if p["name"] == "peer-4"]
+    assert any(e["event"] == "state_downloaded" for e in newcomer["events"])

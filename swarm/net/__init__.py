@@ -22,6 +22,9 @@ Identity and trust
 Where a peer stands
 - `records.py`: this peer's progress and commit records (a heartbeat keeps them fresh) and the others'.
 - `policy.py`: one pure function over the records: alive, ahead, behind, alone, in the majority.
+- `certificates.py`: which votes count: the statements committing groups sign, read into certificates grounded
+  on this peer's lineage (pure, like policy.py); `ledger.py`: what this peer keeps of it (groups, lineage,
+  statements, founders) beside its key.
 
 Who it averages with
 - `matchmaking.py`: forming a group for an outer step (hivemind's averager, used only to agree on members).

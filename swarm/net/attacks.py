@@ -39,6 +39,6 @@ ATTACKS = {
     "sybil": "mints identities that sign a forged fingerprint and manifest (swarm.identity_work: a proof of "
              "work per identity; without it a newcomer counts them as peers)",
     "sybil-quorum": "mints 8 identities that sign progress and commit records one round ahead of its own, on a "
-                    "perturbed hash they say they serve, from the run's second round on (caught only where a peer "
-                    "is alone, by its ledger; among live peers the quorum counts identities: swarm.identity_work)",
+                    "perturbed hash they say they serve, from the run's second round on (no certificate backs "
+                    "their votes: the quorum counts none of them, certificates.py; alone, the ledger)",
 }

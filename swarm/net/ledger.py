@@ -8,6 +8,11 @@ completed an all-reduce with, and the live peers whose records held a state it t
 group was outvoted, it fell behind, or it joined). The ledger lives in the peer's folder (`ledger.json`), beside
 its key (`identity.key`), so that a restart keeps both and the peer stays known under the same key.
 
+It also keeps this peer's lineage (`lineage`: the hash it held at each outer step it committed or took), the keys
+it saw live at outer step 0 if it started there (`founders`): its anchor when it reads certificates
+(certificates.py); and the statements it signed for its commits (`statements`, schema.py), which it republishes
+after a restart, so that the certificates it signed still count.
+
 `Ledger.known(s)`: who decides outer step s, from the steps before s only (what happened at s is what is in
 dispute): the keys recorded at any of the last `WINDOW` recorded steps before s (a peer that left is forgotten
 after WINDOW steps), one vote each, whatever it claims. With no step before s recorded (a newcomer, a run's first
@@ -28,7 +33,10 @@ import os
 from pathlib import Path
 from typing import Iterable, Optional
 
+from pydantic.v1 import ValidationError
+
 from swarm.errors import UsageError
+from swarm.net.schema import STATEMENTS, Statement
 
 WINDOW = 64
 """Outer steps before the disputed one that count: a key recorded at any of them has a vote."""
@@ -42,8 +50,30 @@ class Ledger:
     def __init__(self, path: Optional[Path] = None):
         self.path = path
         self.steps: dict[int, frozenset[str]] = {}
+        self.lineage: dict[int, str] = {}  # outer step -> the hash this peer held there
+        self.statements: tuple[Statement, ...] = ()  # our last STATEMENTS signed statements, oldest first
+        self.founders: frozenset[str] = frozenset()  # keys seen live at outer step 0 while we were there
         if path is not None and path.exists():
-            self.steps = _load(path)
+            self.steps, self.lineage, self.statements, self.founders = _load(path)
+
+    def found(self, peers: Iterable[str]) -> None:
+        """`peers` are live at outer step 0 with us: the run's founders, credited as its first signers
+        (certificates.py). Only while we hold nothing yet: a peer that joins later has no founders."""
+        new = frozenset(peers) - self.founders
+        if new and not any(s > 0 for s in self.lineage):
+            self.founders = self.founders | frozenset(sorted(new)[:MAX_MEMBERS - len(self.founders)])
+            self._save()
+
+    def hold(self, outer_step: int, sha256: str, statement: Optional[Statement] = None) -> None:
+        """This peer holds `sha256` at `outer_step` (it committed it, with `statement` if it signed one, or took
+        it): later steps' entries are dropped, a restart from an older checkpoint or a state taken replaces
+        them; the same state offered again keeps its statement. Replaced whole, like `record`."""
+        lineage = {s: h for s, h in self.lineage.items() if s < outer_step}
+        self.lineage = {s: lineage.get(s, sha256) for s in sorted({*lineage, outer_step})[-KEPT:]}
+        kept = tuple(st for st in self.statements if st.round < outer_step
+                     or (statement is None and (st.round, st.sha256) == (outer_step, sha256)))  # offered again
+        self.statements = (*kept, statement)[-STATEMENTS:] if statement is not None else kept[-STATEMENTS:]
+        self._save()
 
     def record(self, outer_step: int, members: Iterable[str]) -> None:
         """Peers that took part in `outer_step`: the group this peer closed it with, or the holders of the state it
@@ -52,8 +82,11 @@ class Ledger:
         known = self.steps.get(outer_step, frozenset())
         steps = {**self.steps, outer_step: known | frozenset(list(members)[:MAX_MEMBERS - len(known)])}
         self.steps = {s: steps[s] for s in sorted(steps)[-KEPT:]}
+        self._save()
+
+    def _save(self) -> None:
         if self.path is not None:
-            _save(self.path, self.steps)
+            _save(self.path, self.steps, self.lineage, self.statements, self.founders)
 
     def known(self, outer_step: int) -> Optional[frozenset[str]]:
         """The keys that vote in the dispute over `outer_step`: those recorded at any of the last WINDOW recorded
@@ -65,19 +98,30 @@ class Ledger:
         return frozenset().union(*(steps[s] for s in before))
 
 
-def _load(path: Path) -> dict[int, frozenset[str]]:
+def _load(path: Path) -> tuple[dict[int, frozenset[str]], dict[int, str], tuple[Statement, ...], frozenset[str]]:
+    """A ledger file of version 2, or of version 1 (groups only: no lineage, statements or founders)."""
     try:
         data = json.loads(path.read_text())
+        if data["version"] not in (1, 2):
+            raise ValueError(f"version {data['version']!r}, not 1 or 2")
         steps = {int(s): frozenset(members) for s, members in data["steps"].items()}
-        if data["version"] != 1 or not all(isinstance(m, str) for ms in steps.values() for m in ms):
-            raise ValueError("not a ledger of version 1")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        if not all(isinstance(m, str) for ms in steps.values() for m in ms):
+            raise ValueError("a member that is not a peer id")
+        lineage = {int(s): str(h) for s, h in data.get("lineage", {}).items()}
+        statements = tuple(Statement.parse_obj(st) for st in data.get("statements", []))[-STATEMENTS:]
+        founders = frozenset(data.get("founders", []))
+        if not all(isinstance(f, str) for f in founders):
+            raise ValueError("a founder that is not a peer id")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ValidationError) as e:
         raise UsageError(f"the ledger {path} is unreadable ({e}); delete it to start this peer with nothing "
                          f"recorded (it then counts identities until it averages with others again)") from None
-    return steps
+    return steps, lineage, statements, founders
 
 
-def _save(path: Path, steps: dict[int, frozenset[str]]) -> None:
+def _save(path: Path, steps: dict[int, frozenset[str]], lineage: dict[int, str],
+          statements: tuple[Statement, ...], founders: frozenset[str]) -> None:
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"version": 1, "steps": {str(s): sorted(m) for s, m in sorted(steps.items())}}))
+    tmp.write_text(json.dumps({"version": 2, "steps": {str(s): sorted(m) for s, m in sorted(steps.items())},
+                               "lineage": {str(s): h for s, h in sorted(lineage.items())},
+                               "statements": [st.dict() for st in statements], "founders": sorted(founders)}))
     os.replace(tmp, path)

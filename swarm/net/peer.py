@@ -199,7 +199,7 @@ class SwarmAverager(Averager):
         if position.verdict in (policy.Verdict.BEHIND, policy.Verdict.DIVERGED):
             return job.behind(list(position.donors), position.note)
         if self.averaged_once and position.verdict is policy.Verdict.ALONE and position.expected_group == 1:
-            return job.alone()
+            return self._alone(job)
         return position
 
     def _form_group(self, job: Averaging, position: policy.Position, left: float) -> Group | RoundOutcome | None:
@@ -222,7 +222,7 @@ class SwarmAverager(Averager):
             if e.left is not None:  # groupmates that believe in this group must not wait for us
                 self._abandon(e.left, e.reason)
             if e.alone and self.records.assess(job.outer_step, job.base).verdict == policy.Verdict.ALONE:
-                return job.alone()
+                return self._alone(job)
             logger.info(f"outer step {job.outer_step + 1}: {job.reason}; retrying")
             return None
 
@@ -255,10 +255,17 @@ class SwarmAverager(Averager):
 
     def _decide(self, job: Averaging, group: Group, done: tuple[Traffic, float]) -> RoundOutcome:
         """The group's average is in `job.out` on every member: its members are known to our ledger for this
-        outer step, and from now on a lone survivor skips matchmaking."""
+        outer step, we sign its statement (certificates.py) for the commit, and from now on a lone survivor skips
+        matchmaking."""
         self.records.ledger.record(job.outer_step + 1, [str(m) for m in group.members])
+        self.records.sign(job.outer_step + 1, job.base, group.group_id, len(group.members))
         self.averaged_once = True
         return job.averaged(group, *done)
+
+    def _alone(self, job: Averaging) -> RoundOutcome:
+        """Our own pseudo-gradient as the outer step's average, stated as a group of one."""
+        self.records.sign(job.outer_step + 1, job.base, b"", 1)
+        return job.alone()
 
     def _regroup(self, group: Group) -> Optional[Group]:
         """After `group` failed: the group without the members that most groupmates left out of it (they run it
@@ -346,7 +353,7 @@ class SwarmAverager(Averager):
         commits.pop(self.peer_id, None)  # our own vote is the state we are replacing
         others = [r for r in self.records.peers() if r.peer_id != self.peer_id]
         committed = policy.certified(self.peer_id, others, commits, get_dht_time(), live_window(self.cfg),
-                                     self.records.ledger.known).get(got_round)
+                                     self.records.ledger.known, self.records.anchor()).get(got_round)
         if committed is None:
             return f"no hash of round {got_round} is held by half of the live peers (the quorum rule)"
         if committed != got_sha:

@@ -19,15 +19,16 @@ function itself does no I/O, so it is tested over tables of records (tests/net/t
   against the peers they catch up with. With no other peer live (every other peer left), the last commit
   records decide instead, the most votes winning: a peer that comes back after the others finished must not
   train on alone from an older round.
+- Backed votes (`anchor`, certificates.py): among live peers, a record counts, as a vote and in the electorate,
+  only where a certificate backs it: the group that committed its round and hash signed statements of it, and
+  its key signed that certificate or others grounded on this peer's lineage in the window before. Free
+  identities claiming a round ahead, however many, weigh nothing; two groups that split from one parent (or
+  from the initial state, by its founders) count each other, and the tie-break settles them.
 - Alone, by the keys it knows (`known`, ledger.py): with nobody else live, a peer that has taken part in the
   run counts the last commits of the keys it knows took part with it in its recent rounds (a group it averaged
   with, the holders of a state it took), one vote each, and certifies a hash only when at least half of those
   keys signed it: one former groupmate of three, a lone survivor or a forger, is not, and a fresh key is nobody.
-  Among live peers the quorum still counts identities: weighing them by acquaintance made the halves of a swarm
-  split over two groups each count only its own members, and never merge (measured: 4 peers in groups of 2 for
-  3 rounds ended on 2 hashes), so free identities that outnumber the live honest peers still
-  steer it (the `sybil-quorum` attack; `swarm.identity_work` or an allowlist is what holds there). A peer with
-  nothing recorded (a newcomer; everyone at a run's first round) counts identities alone too.
+  A peer with nothing recorded (a newcomer; everyone at a run's first round) counts identities there.
 - One hash, one round (`truthful`): a state's hash binds its count of rounds, so a record of another peer that
   puts a hash we hold at another round is false and counts for nothing.
 - BEHIND: the swarm committed a later round than ours. Donors: live peers at that round on its hash that serve
@@ -61,6 +62,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, Mapping, Optional, Sequence
 
+from swarm.net import certificates
 from swarm.net.schema import CommitRecord, ProgressRecord
 
 Known = Callable[[int], Optional[frozenset[str]]]
@@ -164,12 +166,22 @@ def ceiling(me: str, live: Sequence[ProgressRecord]) -> Optional[int]:
     return rounds[(len(rounds) - 1) // 2] + 1 if rounds else None
 
 
+def backing(progress: Sequence[ProgressRecord], commits: Mapping[str, CommitRecord],
+            anchor: certificates.Anchor) -> certificates.Chains:
+    """The certificates in the records read (each progress record's last statement, each commit record's last
+    ones), grounded on `anchor`."""
+    return certificates.chains([*((r.peer_id, r.statement) for r in progress),
+                                *((p, st) for p, c in commits.items() for st in c.statements)], anchor)
+
+
 def certified(me: str, progress: Sequence[ProgressRecord], commits: Mapping[str, CommitRecord], now: float,
-              window: float, known: Optional[Known] = None) -> dict[int, str]:
-    """Per round s, the hash the swarm committed there, by the quorum rule (module docstring), one identity one
-    vote. With no other peer live (every other peer has left), the plausible last commits decide instead, by
-    the keys `known` to this peer where it knows any (ledger.py: at least half of them), else the most votes
-    winning."""
+              window: float, known: Optional[Known] = None,
+              anchor: Optional[certificates.Anchor] = None) -> dict[int, str]:
+    """Per round s, the hash the swarm committed there, by the quorum rule (module docstring): with `anchor` (what
+    this peer grounds certificates on: ledger.py), only the votes that certificates back (certificates.py) count,
+    and only they are the electorate; without, one identity one vote. With no other peer live (every other peer
+    has left), the plausible last commits decide instead, by the keys `known` to this peer where it knows any
+    (ledger.py: at least half of them), else the most votes winning."""
     progress = truthful(me, progress, {r.sha256: r.round for r in progress if r.peer_id == me and r.sha256})
     live = [r for r in progress if is_live(r, now, window)]
     if not any(r.peer_id != me for r in live):
@@ -177,6 +189,9 @@ def certified(me: str, progress: Sequence[ProgressRecord], commits: Mapping[str,
         tally = votes(progress, commits, now, window, known)
         return {s: best for s, counts in tally.items()
                 if (best := winner(counts)) and _certifies(counts[best], known, s)}
+    if anchor is not None:
+        backed = backing(progress, commits, anchor)
+        live = [r for r in live if backed.counts(r.peer_id, r.round, r.sha256)]
     top = ceiling(me, live)
     tally: dict[int, Counter] = defaultdict(Counter)
     for r in live:
@@ -192,12 +207,12 @@ def certified(me: str, progress: Sequence[ProgressRecord], commits: Mapping[str,
 
 def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
            commits: Mapping[str, CommitRecord], now: float, window: float,
-           known: Optional[Known] = None) -> Position:
+           known: Optional[Known] = None, anchor: Optional[certificates.Anchor] = None) -> Position:
     claimed = {r.peer_id for r in progress} | set(commits)
     live_ids = {r.peer_id for r in progress if is_live(r, now, window)}
     held = {r.sha256: r.round for r in progress if r.peer_id == me and r.sha256} | ({sha256: round} if sha256 else {})
     progress = truthful(me, progress, held)
-    committed = certified(me, progress, commits, now, window, known)
+    committed = certified(me, progress, commits, now, window, known, anchor)
     holders = [r for r in progress if is_live(r, now, window) and r.peer_id != me and r.serves_state]
     progress, commits = plausible(me, progress, commits, now, window)
     ignored = tuple(sorted(claimed - {r.peer_id for r in progress} - set(commits)))
@@ -216,7 +231,11 @@ def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
                         ignored=ignored)
     # peers a round ahead whose claim the quorum did not take may be at ours (the claim-ahead attack: left out
     # of the count, it closed our groups one member short, leaving an honest peer out)
-    expected = sum(1 for r in live if r.round in (round - 1, round, round + 1)) + unsure
+    # (claims no certificate backs, on another hash than ours, are nobody we wait for: free identities)
+    backed = backing(progress, commits, anchor) if anchor is not None else None
+    def waits_for(r: ProgressRecord) -> bool:
+        return backed is None or r.sha256 in (sha256, "") or backed.counts(r.peer_id, r.round, r.sha256)
+    expected = sum(1 for r in live if r.round in (round - 1, round, round + 1) and waits_for(r)) + unsure
     majority = committed.get(round, sha256)
     if majority != sha256:
         donors = tuple(sorted(r.peer_id for r in holders if r.round == round and r.sha256 == majority))

@@ -28,6 +28,7 @@ from swarm.averaging import PeerStats, Snapshot
 from swarm.config import SwarmConfig, live_window
 from swarm.net import policy, schema
 from swarm.net.access import Access
+from swarm.net.certificates import Anchor
 from swarm.net.hostile import Hooks
 from swarm.net.ledger import Ledger
 from swarm.net.statesync import StateServer
@@ -57,6 +58,7 @@ class Records:
         self._progress_due = threading.Event()  # the trainer published a record: the heartbeat stores it now
         self._committed = ""  # the state's hash (swarm/statehash.py) of our last commit (offer_state)
         self._commit_lock = threading.Lock()
+        self._signing: Optional[schema.Statement] = None  # our statement of the commit under way (`sign`)
         self._offered: Optional[Snapshot] = None  # the state offer_state was last given (None: withdrawn)
         self._pending_commit: Optional[Snapshot] = None  # offered, its commit record not stored yet
         self._storing: set[concurrent.futures.Future] = set()  # stores not answered yet, not waited for
@@ -120,7 +122,8 @@ class Records:
             record = schema.ProgressRecord(
                 peer_id=self.peer_id, name=self.peer_name, round=outer_step, inner_step=inner_step, samples=samples,
                 samples_per_s=float(samples_per_s), time=float(now), serves_state=self.server.snapshot is not None,
-                ready=ready, sha256=sha256, work=self._work, **schema.watched(**dataclasses.asdict(self._stats)))
+                ready=ready, sha256=sha256, work=self._work, statement=self._statement(outer_step, sha256),
+                **schema.watched(**dataclasses.asdict(self._stats)))
             self._published = record
             future = self.dht.store(schema.progress_key(self.cfg.run_id), self.hooks.progress(record.dict()),
                                     subkey=self._owner,
@@ -129,6 +132,12 @@ class Records:
         # that arrives after it, which is no loss once a later record of ours was sent.
         self._confirm(future, f"progress record of outer step {outer_step}", wait,
                       superseded=lambda: self._published is not record)
+
+    def _statement(self, outer_step: int, sha256: str) -> Optional[schema.Statement]:
+        """Our statement backing a record at (outer_step, sha256): that of the commit, if we signed it."""
+        statements = self.ledger.statements
+        last = statements[-1] if statements else None
+        return last if last is not None and (last.round, last.sha256) == (outer_step, sha256) else None
 
     def _confirm(self, future: concurrent.futures.Future, what: str, wait: bool,
                  then: Optional[Callable[[], None]] = None, superseded: Callable[[], bool] = lambda: False) -> None:
@@ -155,10 +164,23 @@ class Records:
             if then is not None:
                 then()
 
+    def sign(self, outer_step: int, parent: str, group: bytes, size: int) -> None:
+        """We are about to commit `outer_step` from the global parameters `parent`, in `group` of `size` members
+        (alone: b"", 1): our statement of it (schema.Statement) goes out with the commit, once its hash is
+        known (`offer_state`); a commit of another outer step, or a state taken meanwhile, drops it."""
+        self._signing = schema.Statement(round=outer_step, parent=parent, sha256="0" * 64, group=group.hex(),
+                                         size=size) if parent else None
+
     def offer_state(self, snapshot: Snapshot, wait: bool = False) -> None:
         """Record the commit, then serve `snapshot`: a newcomer checks what it downloads against the commit
         records. Returns at once, like publish_progress, unless `wait`: the heartbeat thread does both (the
-        trainer waiting for the DHT here cost ~2% of a 10-step round on 20 Mbit/s links)."""
+        trainer waiting for the DHT here cost ~2% of a 10-step round on 20 Mbit/s links). Our lineage and our
+        statement of the commit (`sign`) go to the ledger, for our records and our readings of others'."""
+        signing, self._signing = self._signing, None
+        statement = None
+        if signing is not None and signing.round == snapshot.round:
+            statement = signing.copy(update={"sha256": snapshot.sha256})
+        self.ledger.hold(snapshot.round, snapshot.sha256, statement)
         self._committed = snapshot.sha256
         with self._commit_lock:
             self._offered = snapshot
@@ -173,6 +195,7 @@ class Records:
         with self._commit_lock:
             self._offered = self._pending_commit = None
             self.server.snapshot = None
+        self._signing = None
 
     def flush_commit(self, wait: bool = True) -> None:
         """Store the commit record still pending, if any: before our last progress record, or leaving."""
@@ -184,7 +207,7 @@ class Records:
     def _store_commit(self, snapshot: Snapshot, wait: bool = True) -> None:
         now = get_dht_time()
         record = schema.CommitRecord(name=self.peer_name, round=snapshot.round, sha256=snapshot.sha256, time=now,
-                                     work=self._work)
+                                     work=self._work, statements=list(self.ledger.statements))
         with self._dht_lock:
             future = self.dht.store(schema.commits_key(self.cfg.run_id), self.hooks.commit(record.dict()),
                                     subkey=self._owner,
@@ -258,11 +281,19 @@ class Records:
         records = self.read(schema.commits_key(self.cfg.run_id), schema.CommitRecord) if commits else {}
         if records is None:
             return policy.Position(policy.Verdict.UNSURE, outer_step, None, None, note="commit records unreadable")
-        position = policy.assess(self.peer_id, outer_step, sha256, self.peers(), records, get_dht_time(),
-                                 live_window(self.cfg), self.ledger.known)
+        peers = self.peers()
+        if outer_step == 0:  # the run's founders: live at outer step 0 with us (ledger.found)
+            self.ledger.found(r.peer_id for r in peers if r.round == 0
+                              and policy.is_live(r, get_dht_time(), live_window(self.cfg)))
+        position = policy.assess(self.peer_id, outer_step, sha256, peers, records, get_dht_time(),
+                                 live_window(self.cfg), self.ledger.known, self.anchor() if commits else None)
         for peer in position.ignored:
             self.access.note("ignored_claim", peer, "claims a round more than one past the swarm's majority")
         return position
+
+    def anchor(self) -> Anchor:
+        """What we ground certificates on (certificates.py): the hashes we held, the run's founders (ledger.py)."""
+        return Anchor(self.ledger.lineage, self.ledger.founders)
 
     def others_ready(self, outer_step: int) -> bool:
         """Asked after every inner step; reads the DHT at most once per `progress_interval` (a fresh answer

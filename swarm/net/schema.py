@@ -18,7 +18,9 @@ peer id from that key, so a peer can only ever speak for itself.
   v`) holds, and a non-finite number is stored as None (NaN != NaN would fail that check).
 - `{run_id}_commits`   dictionary, subkey = owner marker, value = `CommitRecord.dict()`: the last round each peer
   committed or downloaded and its hash; kept `RUN_RECORD_EXPIRATION`, long after the peer left, so a peer
-  that comes back late knows how far the swarm got (and never trains on alone from an older round).
+  that comes back late knows how far the swarm got (and never trains on alone from an older round). It carries
+  the peer's signed `Statement`s of its last `STATEMENTS` commits (its progress record the last one, so that a
+  claim and what backs it arrive together): the certificates the quorum counts votes by (certificates.py).
 - `{run_id}_run`       dictionary, subkey = owner marker, value = `RunRecord.dict()`: the run fingerprint
   (swarm/runid.py: the run config, corpus and initial weights) each peer joined with, what peers must share
   to average together. A peer whose fingerprint differs from the one most peers of the run signed refuses
@@ -80,6 +82,7 @@ from pydantic.v1 import (
     ValidationError,
     confloat,
     conint,
+    conlist,
     constr,
     validator,
 )
@@ -99,6 +102,24 @@ Owner = conbytes(regex=rb"^\[owner:ssh-rsa [A-Za-z0-9+/]+={0,2}\]$", max_length=
 Finite = confloat(strict=True, allow_inf_nan=False)
 Name = constr(max_length=MAX_NAME, strict=True)
 Work = conint(ge=0, lt=2**64, strict=True)  # the nonce of the owner's proof of work (work.py); 0 without
+
+
+STATEMENTS = 16
+"""Statements a peer keeps in its commit record: its last commits, the window a certificate chain is read over."""
+MAX_GROUP = 4096  # members a statement may name (a group beyond this was not formed by matchmaking)
+
+
+class Statement(BaseModel):
+    """One member's signature in a round's certificate (certificates.py): "I committed outer step `round`, from
+    the global parameters `parent` to `sha256`, in group `group` of `size` members" (alone: group "", size 1).
+    Signed with the record that carries it; the members of one group that sign the same statement, at least half
+    of `size`, are its certificate."""
+
+    round: conint(ge=1, strict=True)
+    parent: Sha256
+    sha256: Sha256
+    group: constr(regex=r"^([0-9a-f]{1,128})?$", strict=True)  # the matchmaking group id, hex
+    size: conint(ge=1, le=MAX_GROUP, strict=True)
 
 
 class ProgressRecord(BaseModel):
@@ -122,16 +143,19 @@ class ProgressRecord(BaseModel):
     eval_loss: Optional[Finite] = None  # held-out loss of its global parameters at `eval_round`
     eval_round: Optional[conint(ge=0, strict=True)] = None
     work: Work = 0
+    statement: Optional[Statement] = None  # its last commit's statement: arrives with the claim it backs
 
 
 class CommitRecord(BaseModel):
-    """The last round a peer committed (or downloaded) and the hash of its global parameters then."""
+    """The last round a peer committed (or downloaded) and the hash of its global parameters then, with the
+    statements of its last STATEMENTS commits, oldest first (the chain a certificate is read back along)."""
 
     name: Name
     round: conint(ge=0, strict=True)
     sha256: Sha256
     time: StrictFloat
     work: Work = 0
+    statements: conlist(Statement, max_items=STATEMENTS) = []
 
 
 class RunRecord(BaseModel):

@@ -5,6 +5,7 @@ import pytest
 
 from swarm.errors import UsageError
 from swarm.net.ledger import KEPT, WINDOW, Ledger
+from swarm.net.schema import Statement
 
 
 def test_a_key_that_took_part_in_an_earlier_round_has_one_vote():
@@ -34,8 +35,29 @@ def test_a_restarted_peer_reads_its_ledger_back_and_a_damaged_one_is_refused(tmp
     path = tmp_path / "ledger.json"
     Ledger(path).record(5, ["me", "p"])
     assert Ledger(path).known(6) == {"me", "p"}
-    for damaged in ("{not json", '{"version": 2, "steps": {}}', '{"version": 1, "steps": {"x": ["p"]}}',
+    for damaged in ("{not json", '{"version": 3, "steps": {}}', '{"version": 2, "steps": {}, "statements": [{}]}', '{"version": 1, "steps": {"x": ["p"]}}',
                     '{"version": 1, "steps": {"3": [1, 2]}}', "[]"):
         path.write_text(damaged)
         with pytest.raises(UsageError, match="ledger.json"):
             Ledger(path)
+
+
+def test_the_lineage_statements_and_founders_survive_a_restart_and_a_version_1_file_still_reads(tmp_path):
+    """What certificates are grounded on and what this peer signed (certificates.py) outlive a restart; a
+    state taken at an earlier outer step drops what followed it."""
+    path = tmp_path / "ledger.json"
+    ledger = Ledger(path)
+    ledger.found(iter(["me", "p"]))
+    statement = Statement(round=1, parent="0" * 64, sha256="1" * 64, group="ab", size=2)
+    ledger.hold(0, "0" * 64)
+    ledger.hold(1, "1" * 64, statement)
+    ledger.hold(1, "1" * 64)  # the same state offered again
+    ledger.found(["late"])  # founders are those of outer step 0 only
+    ledger.hold(2, "2" * 64)
+    again = Ledger(path)
+    assert (again.lineage, again.statements, again.founders) == ({0: "0" * 64, 1: "1" * 64, 2: "2" * 64},
+                                                                 (statement,), {"me", "p"})
+    again.hold(1, "9" * 64)  # took another state of outer step 1
+    assert again.lineage == {0: "0" * 64, 1: "9" * 64} and again.statements == ()
+    path.write_text('{"version": 1, "steps": {"3": ["p"]}}')
+    assert Ledger(path).known(4) == {"p"} and Ledger(path).lineage == {}

@@ -224,7 +224,7 @@ def _found(items):
 
 
 def _commit(name: str = "p", at: float = 0.0, **fields) -> dict:
-    return {"name": name, "round": 1, "sha256": "", "time": at, "work": 0, **fields}
+    return {"name": name, "round": 1, "sha256": "", "time": at, "work": 0, "statements": [], **fields}
 
 
 def test_records_out_of_bounds_are_no_records():

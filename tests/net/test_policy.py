@@ -217,12 +217,3 @@ def test_alone_only_keys_that_took_part_with_us_vote(situation, commits, verdict
     assert position.swarm_sha256 != C
     without = assess(ME, 3, A, [progress(ME, 3)], commits, NOW, WINDOW)  # nothing known: the most votes win
     assert without.verdict == Verdict.BEHIND
-
-
-def test_among_live_peers_fresh_keys_that_outnumber_the_honest_still_count():
-    """What the ledger does not cover, stated as a test: among live peers the quorum counts identities (weighing
-    them by acquaintance split swarms, swarm/net/policy.py), so 8 fresh keys voting the next round are a majority,
-    with or without a ledger (swarm.identity_work or an allowlist must hold them off)."""
-    others = [progress("p", 3), progress("q", 3), *(progress(s, 4, C) for s in SYBILS)]
-    for known in (None, ledger_known):
-        assert assess(ME, 3, A, [progress(ME, 3), *others], {}, NOW, WINDOW, known).verdict == Verdict.BEHIND

@@ -35,12 +35,16 @@ class Peer:
         self.step, self.batches = 0, torch.Generator().manual_seed(seed)  # two peers of one seed train alike
 
     def train_rounds(self, rounds: int) -> None:
+        """Outer steps alone, each committed with its statement (a group of one), as a peer training alone signs."""
         for _ in range(rounds):
             self.model(torch.randn(2, 4, generator=self.batches)).sum().backward()
             self.opt.step()
             self.opt.zero_grad()
             self.step += 1
+            parent = self.diloco.global_sha256()
             self.diloco.outer_step(self.diloco.pseudo_gradient().tensors())
+            self.averager.records.sign(self.diloco.round, parent, b"", 1)
+            self.averager.offer_state(self.snapshot())
 
     def snapshot(self) -> Snapshot:
         return Snapshot(self.diloco.round, self.diloco.global_sha256(), {"round": self.diloco.round,
@@ -61,6 +65,15 @@ class Peer:
     def publish(self) -> None:
         self.averager.offer_state(self.snapshot(), wait=True)
         self.averager.publish_progress(self.diloco.round, 0, 0, 0.0, sha256=self.diloco.global_sha256(), wait=True)
+
+
+def start_together(peers) -> None:
+    """The peers start the run together: each sees the others live at outer step 0 (the run's founders, whose
+    first certificates count for each other: swarm/net/certificates.py)."""
+    for peer in peers:
+        peer.publish()
+    for peer in peers:
+        peer.averager.records.assess(0, peer.diloco.global_sha256())
 
 
 def _peers(bootstrap, names, seeds, faults=None):
@@ -230,6 +243,7 @@ def test_a_run_that_ends_split_in_two_halves_ends_on_one_hash(pair):
     by the quorum rule the larger hash wins the tie on both sides, so the other peer's `finish` names the winner
     as its donor, and the winner stays (serving) until the loser has taken its state."""
     a, b = pair
+    start_together(pair)
     a.train_rounds(3)
     b.train_rounds(3)
     a.publish()
@@ -277,6 +291,7 @@ def test_a_peer_on_the_minority_s_parameters_takes_the_majority_s_state_at_once(
     """Two peers committed round 3 on different parameters (a split commit): the side that loses the vote
     (one each: the larger hash wins, on both sides) learns it before averaging and takes the other's state."""
     one, other = pair
+    start_together(pair)
     one.train_rounds(3)
     other.train_rounds(3)
     for peer in pair:

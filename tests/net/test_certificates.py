@@ -1,0 +1,150 @@
+"""Certificates (swarm/net/certificates.py) and the quorum that counts only the votes they back (policy.py), over
+tables of statements and records: free identities weigh nothing, honest groups that split still count each other."""
+
+import pytest
+
+from swarm.net.certificates import Anchor, Chains, gather
+from swarm.net.policy import Verdict, assess
+from swarm.net.schema import CommitRecord, ProgressRecord, Statement
+
+NOW, WINDOW = 1000.0, 10.0
+H = {s: f"{s:x}".rjust(64, "0") for s in range(40)}  # the honest lineage: H[s] at outer step s
+X, Y = "e" * 64, "f" * 64  # other hashes
+ME, HONEST = "me", ["me", "p", "q"]
+SYBILS = [f"sybil{i}" for i in range(8)]
+
+
+def st(round: int, sha: str, parent: str, group: str = "aa", size: int = 3) -> Statement:
+    return Statement(round=round, parent=parent, sha256=sha, group=group, size=size)
+
+
+def honest_history(upto: int, members=HONEST) -> list[tuple[str, Statement]]:
+    """`members` averaged every outer step 1..upto in one group, on the lineage H."""
+    return [(m, st(s, H[s], H[s - 1], group=f"{s:02x}", size=len(members))) for s in range(1, upto + 1) for m in members]
+
+
+LINEAGE = Anchor({s: H[s] for s in range(0, 4)}, frozenset(HONEST))  # ME held H[0..3], founded with p, q
+
+
+def test_a_certificate_is_at_least_half_of_its_group():
+    certs = gather([("p", st(1, X, H[0], size=4)), ("q", st(1, X, H[0], size=4)),
+                    ("r", st(1, Y, H[0], group="bb", size=4))])
+    assert certs[(1, X)].signers == {"p", "q"}
+    assert (1, Y) not in certs  # one of a group of 4 certifies nothing
+
+
+# (situation, statements read, the vote asked about (peer, outer step, hash), counts for ME)
+COUNTS = [
+    ("an honest groupmate at our outer step", honest_history(3), ("p", 3, H[3]), True),
+    ("8 fresh keys certifying the next step on our parent", [*honest_history(3), *((s, st(4, X, H[3], size=8))
+                                                                                 for s in SYBILS)],
+     ("sybil0", 4, X), False),
+    ("8 fresh keys that forged two steps of a chain off ours", [*honest_history(3),
+                                                               *((s, st(3, Y, H[2], "b1", 8)) for s in SYBILS),
+                                                               *((s, st(4, X, Y, "b2", 8)) for s in SYBILS)],
+     ("sybil0", 4, X), False),
+    ("a claim with no statement", honest_history(3), ("sybil0", 4, X), False),
+    ("an honest group that split from our parent counts (credited on it)",
+     [*honest_history(2, ["me", "p", "q", "r"]), ("q", st(3, X, H[2], "cc", 2)), ("r", st(3, X, H[2], "cc", 2))],
+     ("r", 3, X), True),
+    ("a newcomer that took our state votes for it once credited: here, not yet", honest_history(3), ("n", 3, H[3]),
+     False),
+    ("a groupmate that took the next step's state from its group", [*honest_history(3), ("q", st(4, X, H[3], "dd", 2)),
+                                                                   ("r", st(4, X, H[3], "dd", 2))],
+     ("p", 4, X), True),
+    ("the initial state counts for everyone", [], ("anyone", 0, H[0]), True),
+]
+
+
+@pytest.mark.parametrize("situation,statements,vote,counts", COUNTS, ids=[row[0] for row in COUNTS])
+def test_which_votes_count(situation, statements, vote, counts):
+    assert Chains(gather(statements), LINEAGE).counts(*vote) is counts
+
+
+def test_a_newcomer_counts_a_chain_without_statements_for_nobody():
+    """With no lineage, a certificate is grounded by its parent's: claims without statements never count, an
+    honest chain does (the fabricated two-step chain would: certificates.py says so)."""
+    chains = Chains(gather(honest_history(3)), Anchor({0: H[0]}))
+    assert chains.counts("p", 3, H[3])
+    assert not chains.counts("sybil0", 4, X)
+
+
+def record(peer: str, round: int, sha: str, statement=None, serves=True) -> ProgressRecord:
+    return ProgressRecord(peer_id=peer, name=peer, round=round, inner_step=0, samples=0, samples_per_s=0.0,
+                          time=NOW - 1.0, serves_state=serves, sha256=sha, statement=statement)
+
+
+def commits(history) -> dict[str, CommitRecord]:
+    out: dict[str, list] = {}
+    for peer, statement in history:
+        out.setdefault(peer, []).append(statement)
+    return {p: CommitRecord(name=p, round=s[-1].round, sha256=s[-1].sha256, time=NOW - 5, statements=s)
+            for p, s in out.items()}
+
+
+def sybil_quorum():
+    """Three honest peers at outer step 3 and 8 fresh keys claiming step 4 on a perturbed hash, serving it."""
+    honest = [record(p, 3, H[3], st(3, H[3], H[2], "03", 3)) for p in HONEST]
+    return honest, [record(s, 4, X) for s in SYBILS], commits(honest_history(3))
+
+
+def test_sybil_quorum_steers_no_peer_with_a_lineage():
+    honest, sybils, done = sybil_quorum()
+    position = assess(ME, 3, H[3], [*honest, *sybils], done, NOW, WINDOW, anchor=LINEAGE)
+    assert position.verdict == Verdict.AVERAGE and position.expected_group == 3, position.note
+    without = assess(ME, 3, H[3], [*honest, *sybils], done, NOW, WINDOW)  # one identity one vote
+    assert without.verdict == Verdict.BEHIND
+
+
+def test_sybil_quorum_steers_no_newcomer():
+    honest, sybils, done = sybil_quorum()
+    newcomer = record("n", 0, "", serves=False)
+    position = assess("n", 0, "", [newcomer, *honest, *sybils], done, NOW, WINDOW, anchor=Anchor({}))
+    assert (position.verdict, position.swarm_round, position.swarm_sha256) == (Verdict.BEHIND, 3, H[3])
+    assert position.donors == tuple(sorted(HONEST))
+
+
+def test_two_groups_that_split_from_one_parent_settle_on_one_hash():
+    """Four peers, one group up to step 2, then groups {me, p} and {q, r}: each side counts the other (both
+    credited on the parent) and the tie goes to the larger hash on both sides: one is DIVERGED, the other not."""
+    four = ["me", "p", "q", "r"]
+    history = [*honest_history(2, four), *((m, st(3, X, H[2], "c1", 2)) for m in ("me", "p")),
+               *((m, st(3, Y, H[2], "c2", 2)) for m in ("q", "r"))]
+    records = [*(record(m, 3, X, st(3, X, H[2], "c1", 2)) for m in ("me", "p")),
+               *(record(m, 3, Y, st(3, Y, H[2], "c2", 2)) for m in ("q", "r"))]
+    founded = frozenset(four)
+    ours = assess("me", 3, X, records, commits(history), NOW, WINDOW, anchor=Anchor({**LINEAGE.lineage, 3: X}, founded))
+    theirs = assess("q", 3, Y, records, commits(history), NOW, WINDOW, anchor=Anchor({**LINEAGE.lineage, 3: Y}, founded))
+    assert (ours.verdict, ours.donors) == (Verdict.DIVERGED, ("q", "r"))
+    assert theirs.verdict == Verdict.AVERAGE
+
+
+def test_forged_statements_over_thousands_of_outer_steps_neither_recurse_nor_count():
+    """One key per outer step 1..5000, each a certificate on the last: read in order, no recursion; none counts."""
+    forged = [(f"k{s}", st(s, f"{s:x}".rjust(64, "a"), f"{s - 1:x}".rjust(64, "a"), size=1)) for s in range(1, 5000)]
+    chains = Chains(gather([*honest_history(3), *forged]), LINEAGE)
+    assert not chains.counts("k4999", 4999, f"{4999:x}".rjust(64, "a"))
+    assert chains.counts("p", 3, H[3])
+
+
+def test_groups_that_split_from_the_initial_state_count_each_other_by_the_founders():
+    """Round 1 in groups {me, p} and {q, r}; {me, p} took the other side's state, then both sides committed
+    outer step 2 on it again in the same halves (the split that the e2e test of four peers in groups of two
+    meets): the founders ground the other half's first certificate, so its second counts as well."""
+    history = [*((m, st(1, X, H[0], "a1", 2)) for m in ("me", "p")), *((m, st(1, Y, H[0], "a2", 2)) for m in ("q", "r")),
+               *((m, st(2, H[2], Y, "b1", 2)) for m in ("me", "p")), *((m, st(2, H[3], Y, "b2", 2)) for m in ("q", "r"))]
+    anchor = Anchor({0: H[0], 1: Y, 2: H[3]}, frozenset({"me", "p", "q", "r"}))
+    assert Chains(gather(history), anchor).counts("me", 2, H[2])
+    assert not Chains(gather(history), Anchor(anchor.lineage, frozenset({"q", "r"}))).counts("me", 2, H[2])
+
+
+def test_a_ladder_of_forged_statements_from_the_initial_state_grounds_nothing_for_a_peer_with_a_lineage():
+    """8 fresh keys sign outer step 1 off the initial state, then every WINDOW steps one more: each rung would be
+    credited by the one before, but the first is not: they were no founders, and it is not our lineage."""
+    rungs = [1, 17, 33]
+    ladder = [(s, st(r, f"{r:x}".rjust(64, "b"), H[0] if r == 1 else f"{r - 1:x}".rjust(64, "b"), f"{r:02x}", 8))
+              for r in rungs for s in SYBILS]
+    anchor = Anchor({s: H[s] for s in range(0, 33)}, frozenset(HONEST))
+    chains = Chains(gather([*honest_history(33)[-3 * 16:], *ladder]), anchor)
+    assert not chains.counts("sybil0", 33, f"{33:x}".rjust(64, "b"))
+    assert chains.counts("p", 33, H[33])
