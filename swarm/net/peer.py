@@ -352,8 +352,9 @@ class SwarmAverager(Averager):
             return "the commit records did not answer"
         commits.pop(self.peer_id, None)  # our own vote is the state we are replacing
         others = [r for r in self.records.peers() if r.peer_id != self.peer_id]
+        backed = policy.backing(others, commits, self.records.anchor())
         committed = policy.certified(self.peer_id, others, commits, get_dht_time(), live_window(self.cfg),
-                                     self.records.ledger.known, self.records.anchor()).get(got_round)
+                                     self.records.ledger.known, backed).get(got_round)
         if committed is None:
             return f"no hash of round {got_round} is held by half of the live peers (the quorum rule)"
         if committed != got_sha:

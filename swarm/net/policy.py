@@ -176,10 +176,10 @@ def backing(progress: Sequence[ProgressRecord], commits: Mapping[str, CommitReco
 
 def certified(me: str, progress: Sequence[ProgressRecord], commits: Mapping[str, CommitRecord], now: float,
               window: float, known: Optional[Known] = None,
-              anchor: Optional[certificates.Anchor] = None) -> dict[int, str]:
-    """Per round s, the hash the swarm committed there, by the quorum rule (module docstring): with `anchor` (what
-    this peer grounds certificates on: ledger.py), only the votes that certificates back (certificates.py) count,
-    and only they are the electorate; without, one identity one vote. With no other peer live (every other peer
+              backed: Optional[certificates.Chains] = None) -> dict[int, str]:
+    """Per round s, the hash the swarm committed there, by the quorum rule (module docstring): with `backed` (the
+    certificates read, `backing`), only the votes they back count, and only they are the electorate; without,
+    one identity one vote. With no other peer live (every other peer
     has left), the plausible last commits decide instead, by the keys `known` to this peer where it knows any
     (ledger.py: at least half of them), else the most votes winning."""
     progress = truthful(me, progress, {r.sha256: r.round for r in progress if r.peer_id == me and r.sha256})
@@ -189,8 +189,7 @@ def certified(me: str, progress: Sequence[ProgressRecord], commits: Mapping[str,
         tally = votes(progress, commits, now, window, known)
         return {s: best for s, counts in tally.items()
                 if (best := winner(counts)) and _certifies(counts[best], known, s)}
-    if anchor is not None:
-        backed = backing(progress, commits, anchor)
+    if backed is not None:
         live = [r for r in live if backed.counts(r.peer_id, r.round, r.sha256)]
     top = ceiling(me, live)
     tally: dict[int, Counter] = defaultdict(Counter)
@@ -212,7 +211,8 @@ def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
     live_ids = {r.peer_id for r in progress if is_live(r, now, window)}
     held = {r.sha256: r.round for r in progress if r.peer_id == me and r.sha256} | ({sha256: round} if sha256 else {})
     progress = truthful(me, progress, held)
-    committed = certified(me, progress, commits, now, window, known, anchor)
+    backed = backing(progress, commits, anchor) if anchor is not None else None
+    committed = certified(me, progress, commits, now, window, known, backed)
     holders = [r for r in progress if is_live(r, now, window) and r.peer_id != me and r.serves_state]
     progress, commits = plausible(me, progress, commits, now, window)
     ignored = tuple(sorted(claimed - {r.peer_id for r in progress} - set(commits)))
@@ -232,7 +232,6 @@ def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
     # peers a round ahead whose claim the quorum did not take may be at ours (the claim-ahead attack: left out
     # of the count, it closed our groups one member short, leaving an honest peer out)
     # (claims no certificate backs, on another hash than ours, are nobody we wait for: free identities)
-    backed = backing(progress, commits, anchor) if anchor is not None else None
     def waits_for(r: ProgressRecord) -> bool:
         return backed is None or r.sha256 in (sha256, "") or backed.counts(r.peer_id, r.round, r.sha256)
     expected = sum(1 for r in live if r.round in (round - 1, round, round + 1) and waits_for(r)) + unsure
