@@ -15,15 +15,31 @@ gets SIGTERM if the launcher dies (PR_SET_PDEATHSIG), also on kill -9.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
+import sys
 import time
-from typing import Callable
+from typing import Callable, NoReturn
 
 from peers.forkserver import die_with
 
 STOP_GRACE_S = 30.0  # ranks asked to stop get this long (a checkpoint to finish) before SIGKILL
+
+
+def exit_rank(code: int) -> NoReturn:
+    """End a rank's process with `code`, its output flushed, running no destructor. ProcessGroupGloo's destructor
+    joins its worker threads holding the GIL, while a worker that releases the last C++ reference to a tensor a
+    collective from Python gave it (the work, or the barrier after it that holds it) waits for the GIL to drop the
+    tensor's Python object: a rank that had written everything hung for good (py-spy --native: the main thread in
+    std::thread::join under ~ProcessGroupGloo, a worker in gil_scoped_acquire under ~AsyncWork; about 1 run in
+    40 of a two-rank peer on a loaded machine). Nothing of the process group needs tearing down when its
+    process ends, so none is: the ranks leave it to the kernel, as torchrun leaves a killed worker's."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def free_port() -> int:

@@ -28,19 +28,16 @@ def run_solo(cfg: Config, out_dir: Path) -> Path:
         torch.set_num_threads(cfg.diloco.threads)
     ranks = Ranks.from_env()
     ranks.init(cfg)
+    shard = cfg.data.shard if cfg.data.shard is not None else 0
+    averager = ranks.averager(SoloAverager() if ranks.endpoint else None, networked=False)
+    trainer = Trainer(cfg, averager, peer_id="solo", shard=shard, out_dir=out_dir, ranks=ranks)
+    shown = Progress(cfg, "solo", live=None if ranks.endpoint else False)
     try:
-        shard = cfg.data.shard if cfg.data.shard is not None else 0
-        averager = ranks.averager(SoloAverager() if ranks.endpoint else None, networked=False)
-        trainer = Trainer(cfg, averager, peer_id="solo", shard=shard, out_dir=out_dir, ranks=ranks)
-        shown = Progress(cfg, "solo", live=None if ranks.endpoint else False)
-        try:
-            history = trainer.train(lambda round_, step, loss: shown.step(round_, step, loss, trainer.step))
-        finally:
-            shown.close()
-        write_rank(out_dir, ranks, trainer)
-        ranks.drain()
+        history = trainer.train(lambda round_, step, loss: shown.step(round_, step, loss, trainer.step))
     finally:
-        ranks.close()
+        shown.close()
+    write_rank(out_dir, ranks, trainer)
+    ranks.drain()
     peers = [peer_summary(history, ranks.world_size)]
     if not ranks.endpoint:
         return out_dir / "summary.json"

@@ -57,19 +57,16 @@ def run_peer(cfg: Config, out_dir: Path, name: Optional[str]) -> Path:
     stop_on(signal.SIGTERM)
     if cfg.diloco.threads:
         torch.set_num_threads(cfg.diloco.threads)
-    ranks.init(cfg)
-    try:
-        if ranks.endpoint:
-            return _run_endpoint(cfg, out_dir, name, ranks)
-        name, peer_id = ranks.share(None)
-        trainer = Trainer(cfg, ranks.averager(None, networked=True), peer_id=peer_id, shard=cfg.data.shard,
-                          out_dir=out_dir, ranks=ranks, name=name)
-        trainer.train()
-        write_rank(out_dir, ranks, trainer)
-        ranks.drain()
-        return out_dir / "summary.json"
-    finally:
-        ranks.close()
+    ranks.init(cfg)  # the process group lives until the process ends (peers.launch.exit_rank)
+    if ranks.endpoint:
+        return _run_endpoint(cfg, out_dir, name, ranks)
+    name, peer_id = ranks.share(None)
+    trainer = Trainer(cfg, ranks.averager(None, networked=True), peer_id=peer_id, shard=cfg.data.shard,
+                      out_dir=out_dir, ranks=ranks, name=name)
+    trainer.train()
+    write_rank(out_dir, ranks, trainer)
+    ranks.drain()
+    return out_dir / "summary.json"
 
 
 def _peer_json(out_dir: Path, trainer: Trainer, name: str, ranks: Ranks) -> dict:

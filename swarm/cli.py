@@ -10,6 +10,7 @@ log.txt) and a non-zero exit: 2 for bad input (config key, option, multiaddr, pa
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import signal
 import sys
@@ -265,6 +266,9 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    # `kill -USR1 <pid>`: every thread's Python stack on stderr, the process going on (a hang diagnosed without a
+    # debugger; inherited by the ranks `--nproc-per-node` forks, and used by the tests on a time-out)
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     try:
         code = run(sys.argv[1:] if argv is None else argv)
     except (ConfigError, SwarmError) as e:
@@ -277,6 +281,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     except BrokenPipeError:  # `swarm config show | head`: the reader is gone, nothing left to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 0
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a rank of a peer of several processes (swarm/ranks.py)
+        from peers.launch import exit_rank
+
+        exit_rank(code)
     sys.exit(code)
 
 

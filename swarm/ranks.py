@@ -85,17 +85,12 @@ class Ranks:
         self._cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
 
     def drain(self) -> None:
-        """Every rank, once its work is done: a barrier that lets gloo's worker threads retire the finished
-        collectives (freeing their tensors takes the GIL) while this thread waits without it. ProcessGroupGloo's
-        destructor, which runs when its last holder (the DDP wrapper) goes, waits for those threads while holding
-        the GIL: torn down with a work still retiring, a rank hung for good after writing its results (seen once,
-        under load)."""
+        """Every rank, once its work is done: a barrier, so that no rank leaves while another still needs it in a
+        collective. The process group is never torn down: the rank's process ends with `peers.launch.exit_rank`
+        (ProcessGroupGloo's destructor deadlocks; see there)."""
         if self.distributed:
             dist.barrier()
 
-    def close(self) -> None:
-        if self.distributed and dist.is_initialized():
-            dist.destroy_process_group()
 
     def wrap(self, model: torch.nn.Module, sharded: bool = False) -> torch.nn.Module:
         """The module inner steps run: DDP over the ranks, or the model itself (alone, or sharded by FSDP)."""

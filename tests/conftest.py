@@ -3,11 +3,13 @@ or in this one), a solo run stopped after a round and resumed, and the `slow` ma
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -101,6 +103,22 @@ def fork_server(token_cache):
     server.close()
 
 
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it, whatever session it started (a local swarm's peers, their ranks)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        out.append(todo.pop())
+        todo.extend(children.get(out[-1], []))
+    return out
+
+
 @pytest.fixture
 def swarm_cmd(fork_server, tmp_path_factory):
     """`swarm ARGS` forked from the session's fork server, waited for: a CompletedProcess (stdout, stderr
@@ -113,10 +131,14 @@ def swarm_cmd(fork_server, tmp_path_factory):
         try:
             code = child.wait(timeout)
         except subprocess.TimeoutExpired:
+            for pid in descendants(child.pid):  # each writes its threads' stacks to its stderr (swarm/cli.py)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1)
+            time.sleep(2.0)
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()
-            pytest.fail(f"swarm {' '.join(args)}: still running after {timeout}s; its stderr ends:\n"
-                        f"{err.read_text()[-3000:]}")
+            pytest.fail(f"swarm {' '.join(args)}: still running after {timeout}s; its stderr, with the stacks of "
+                        f"its processes, ends:\n{err.read_text()[-12000:]}")
         return subprocess.CompletedProcess(["swarm", *args], code, out.read_text(), err.read_text())
     return run
 
