@@ -86,9 +86,11 @@ def logged(out: Path) -> dict:
     """What the logs say beside the summary: how a newcomer ended (a refused one writes no peer.json) and what
     the attacker reported of its own work (the sybil's cost per identity)."""
     joiner = out / JOINER
+    minted = _last_line(out / f"peer-{ATTACKER}" / "log.txt", "identities minted: ").partition("minted: ")[2]
     return {"joiner": None if not joiner.exists() else
             "joined" if (joiner / "peer.json").exists() else _last_line(joiner / "log.txt")[-160:],
-            "attacker_says": _last_line(out / f"peer-{ATTACKER}" / "log.txt", "sybil: ")[-200:]}
+            "attacker_says": _last_line(out / f"peer-{ATTACKER}" / "log.txt", "sybil: ")[-200:],
+            "minted": [p for p in minted.split(", ") if p]}
 
 
 def outcome(run: dict) -> dict:
@@ -97,7 +99,8 @@ def outcome(run: dict) -> dict:
     summary = run["summary"] or {"peers": [], "events": []}
     # the same peers in every run: all but peer ATTACKER (honest in the unattacked run), plus any joiner
     honest = [p for p in summary["peers"] if "hostile" not in p and p.get("name") != f"peer-{ATTACKER}"]
-    attacker_ids = {p["peer_id"] for p in summary["peers"] if "hostile" in p}
+    # the attacker's peer id, and the identities it minted (sybil-quorum says which in its log)
+    attacker_ids = {p["peer_id"] for p in summary["peers"] if "hostile" in p} | set(run.get("minted", []))
     committed = [[r for r in p["rounds"] if r["committed"]] for p in honest]
     seq_len = summary["config"]["data"]["seq_len"] if run["summary"] else 1
     # rounds committed by the peers there from the start (a joiner cannot commit the rounds before it came)
@@ -110,8 +113,9 @@ def outcome(run: dict) -> dict:
     honest_ids, honest_names = {p["peer_id"] for p in honest}, {p["name"] for p in honest}
     honest_banned = sorted({e["peer_id"] for e in summary["events"] if e["event"] == "banned"
                             and e.get("peer_id") in honest_ids and e.get("peer") in honest_names})
+    naming = ("offense", "banned", "ignored_claim", "uncertified_claim", "streams", "unproven")
     caught = sorted({f"{e['event']}: {e.get('what', '')}" for e in summary["events"] if e.get("peer_id") in attacker_ids
-                     and e["event"] in ("offense", "banned", "ignored_claim", "streams", "unproven")})
+                     and e["event"] in naming})
     if run.get("joiner") is not None:
         caught.append(f"newcomer {JOINER}: {run['joiner']}")
     if run.get("late_newcomer") is not None:
@@ -152,7 +156,7 @@ def run(quick: bool = False, rerun: bool = True) -> dict:
         delta = f"{100 * (loss / base['eval_loss'] - 1):+.1f}%" if loss and base["eval_loss"] else "-"
         rows.append([attack, f"{got['rounds']}/4", got["one_hash"], f"{got['samples_per_round']:.0f} ({share:.0%})",
                      f"{loss:.4f}" if loss else "-", delta, len(got["honest_banned"]),
-                     "; ".join(got["caught"])[:240] or ATTACKS[kind]])
+                     "; ".join(got["caught"])[:240] or "no event names it"])
     table = md_table(["attack (peer 3 of 4)", "honest rounds committed", "one hash", "samples / round",
                       "eval loss", "vs unattacked", "honest peers banned", "what caught it (honest peers' events)"],
                      rows)

@@ -252,7 +252,8 @@ class Attacker(Hooks):
 
         loop, cfg = asyncio.get_running_loop(), reach.cfg
         sybils, _ = await loop.run_in_executor(None, mint, QUORUM_SYBILS, cfg.identity_work, SYBIL_BUDGET_S)
-        logger.warning(f"sybil-quorum: {len(sybils)} identities minted")
+        logger.warning(f"sybil-quorum: {len(sybils)} identities minted: "
+                       f"{', '.join(str(owner_peer_id(s.owner)) for s in sybils)}")
         while True:
             await asyncio.sleep(cfg.progress_interval)
             ours = self._published

@@ -354,9 +354,10 @@ class SwarmAverager(Averager):
         others = [r for r in self.records.peers() if r.peer_id != self.peer_id]
         backed = policy.backing(others, commits, self.records.anchor())
         committed = policy.certified(self.peer_id, others, commits, get_dht_time(), live_window(self.cfg),
-                                     self.records.ledger.known, backed).get(got_round)
+                                     self.records.ledger.known, backed, own=outer_step).get(got_round)
         if committed is None:
-            return f"no hash of round {got_round} is held by half of the live peers (the quorum rule)"
+            return (f"no hash of round {got_round} is held by half of the live peers, nor by most of ours "
+                    f"(the quorum rule)")
         if committed != got_sha:
             return f"the swarm committed {committed[:12]} at round {got_round}"
         return None

@@ -38,9 +38,16 @@ function itself does no I/O, so it is tested over tables of records (tests/net/t
 - UNSURE: the read misses our own fresh record, so it failed (a DHT time-out looks like an empty swarm):
   decide nothing on it.
 
-What the rule does not promise: groups smaller than half the live peers (`swarm.target_group_size` below
-half the swarm) may end a round on several hashes none of which half of them hold; they stay apart (each
-lineage averages on its own base) until one holds half. Restarted peers that already train on their old
+- Plurality at our own round (`PLURALITY`): groups smaller than half the live peers (`swarm.target_group_size`
+  below half the swarm, a churn that splits groups) may end a round on several hashes none of which half of
+  them hold. At the round we stand at, the hash most backed peers hold then wins (at least two of them; ties to
+  the larger hash), so the smaller lineages take it and the swarm is one again; a free identity's vote is not
+  backed, so it cannot tip this either. Rounds ahead of ours still need half: the first small group to commit
+  must not pull everyone still averaging.
+
+What the rule does not promise: lineages that split and then move at different paces (one a round ahead of the
+other) each see the other only a round away, where half is needed; they stay apart until they meet at one
+round. Restarted peers that already train on their old
 round, when they are half the peers that serve, keep an honest minority that moved on while they were away
 above the ceiling: to them it is what colluders claiming rounds ahead are. And when peers that left alone
 hold the swarm's last round, a peer restarted beside another restarted peer trains on with it. At the start of a run,
@@ -87,6 +94,7 @@ class Position:
     others_ready: bool = False  # most live peers that may average our round finished their inner steps
     note: str = ""
     ignored: tuple[str, ...] = ()  # peers whose round claims were false or implausible (`truthful`, `plausible`)
+    uncertified: tuple[str, ...] = ()  # peers claiming a round ahead that no certificate backs (`uncertified`)
 
 
 def is_live(record: ProgressRecord, now: float, window: float) -> bool:
@@ -174,12 +182,29 @@ def backing(progress: Sequence[ProgressRecord], commits: Mapping[str, CommitReco
                                 *((p, st) for p, c in commits.items() for st in c.statements)], anchor)
 
 
+PLURALITY = 2
+"""Backed votes a lineage needs to win our own round without half of them: two, so that one peer's own statement
+(a group of one) never outvotes another lone peer."""
+
+
+def uncertified(me: str, round: int, progress: Sequence[ProgressRecord], commits: Mapping[str, CommitRecord],
+                now: float, window: float, backed: certificates.Chains) -> tuple[str, ...]:
+    """The peers that claim an outer step past `round` on a hash no certificate grounded on our lineage backs: by
+    a live progress record (free identities voting ahead, a claim ahead on a hash we hold) or by their last
+    commit record (a forged commit). An honest peer ahead holds what its group certified; these are the claims
+    the quorum disregarded, named so that the peer's events say who made them."""
+    claims = [*((r.peer_id, r.round, r.sha256) for r in progress if is_live(r, now, window)),
+              *((p, c.round, c.sha256) for p, c in commits.items())]
+    return tuple(sorted({p for p, s, sha in claims if p != me and s > round and sha and not backed.grounded(s, sha)}))
+
+
 def certified(me: str, progress: Sequence[ProgressRecord], commits: Mapping[str, CommitRecord], now: float,
               window: float, known: Optional[Known] = None,
-              backed: Optional[certificates.Chains] = None) -> dict[int, str]:
+              backed: Optional[certificates.Chains] = None, own: Optional[int] = None) -> dict[int, str]:
     """Per round s, the hash the swarm committed there, by the quorum rule (module docstring): with `backed` (the
     certificates read, `backing`), only the votes they back count, and only they are the electorate; without,
-    one identity one vote. With no other peer live (every other peer
+    one identity one vote. At our own round `own`, with `backed`, where no hash holds half, the lineage most
+    backed peers hold wins if at least two do (`PLURALITY`). With no other peer live (every other peer
     has left), the plausible last commits decide instead, by the keys `known` to this peer where it knows any
     (ledger.py: at least half of them), else the most votes winning."""
     progress = truthful(me, progress, {r.sha256: r.round for r in progress if r.peer_id == me and r.sha256})
@@ -201,6 +226,8 @@ def certified(me: str, progress: Sequence[ProgressRecord], commits: Mapping[str,
         best = winner(counts)
         if 2 * counts[best] >= sum(1 for r in live if r.round >= s - 1 or r.serves_state):
             out[s] = best
+        elif s == own and backed is not None and counts[best] >= PLURALITY:
+            out[s] = best
     return out
 
 
@@ -208,11 +235,13 @@ def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
            commits: Mapping[str, CommitRecord], now: float, window: float,
            known: Optional[Known] = None, anchor: Optional[certificates.Anchor] = None) -> Position:
     claimed = {r.peer_id for r in progress} | set(commits)
+    read = progress  # all of it: the claims `truthful` drops are named as uncertified too
     live_ids = {r.peer_id for r in progress if is_live(r, now, window)}
     held = {r.sha256: r.round for r in progress if r.peer_id == me and r.sha256} | ({sha256: round} if sha256 else {})
     progress = truthful(me, progress, held)
     backed = backing(progress, commits, anchor) if anchor is not None else None
-    committed = certified(me, progress, commits, now, window, known, backed)
+    committed = certified(me, progress, commits, now, window, known, backed, own=round)
+    disregarded = () if backed is None else uncertified(me, round, read, commits, now, window, backed)
     holders = [r for r in progress if is_live(r, now, window) and r.peer_id != me and r.serves_state]
     progress, commits = plausible(me, progress, commits, now, window)
     ignored = tuple(sorted(claimed - {r.peer_id for r in progress} - set(commits)))
@@ -222,13 +251,13 @@ def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
     swarm_sha = committed.get(swarm_round)
     if not any(r.peer_id == me for r in live):
         return Position(Verdict.UNSURE, swarm_round, swarm_sha, None, note="progress records unreadable",
-                        ignored=ignored)
+                        ignored=ignored, uncertified=disregarded)
     others = [r for r in live if r.peer_id != me]
     if swarm_round > round:
         donors = sorted(r.peer_id for r in holders if r.round == swarm_round and r.sha256 == swarm_sha)
         return Position(Verdict.BEHIND, swarm_round, swarm_sha, None, tuple(donors),
                         note=f"behind: the swarm committed round {swarm_round}, we hold round {round}",
-                        ignored=ignored)
+                        ignored=ignored, uncertified=disregarded)
     # peers a round ahead whose claim the quorum did not take may be at ours (the claim-ahead attack: left out
     # of the count, it closed our groups one member short, leaving an honest peer out)
     # (claims no certificate backs, on another hash than ours, are nobody we wait for: free identities)
@@ -240,12 +269,13 @@ def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
         donors = tuple(sorted(r.peer_id for r in holders if r.round == round and r.sha256 == majority))
         return Position(Verdict.DIVERGED, swarm_round, swarm_sha, expected, donors,
                         note=f"most live peers at round {round} hold other global parameters than ours "
-                             f"({majority[:12]})", ignored=ignored)
+                             f"({majority[:12]})", ignored=ignored, uncertified=disregarded)
     mates = [r for r in others if r.round == round and r.sha256 in (sha256, "")]
     # most of the others that may average this round (those still showing the round before count as not
     # ready: right after a commit, a forger claiming readiness may be the only one showing the new round)
     ready = 2 * sum(r.ready for r in mates) > expected - 1
     if not mates:
-        return Position(Verdict.ALONE, swarm_round, swarm_sha, expected, note="alone", ignored=ignored)
+        return Position(Verdict.ALONE, swarm_round, swarm_sha, expected, note="alone", ignored=ignored,
+                        uncertified=disregarded)
     return Position(Verdict.AVERAGE, swarm_round, swarm_sha, expected, others_ready=ready,
-                    note=f"{len(mates)} live peers share round {round}", ignored=ignored)
+                    note=f"{len(mates)} live peers share round {round}", ignored=ignored, uncertified=disregarded)

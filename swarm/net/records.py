@@ -289,6 +289,9 @@ class Records:
                                  live_window(self.cfg), self.ledger.known, self.anchor() if commits else None)
         for peer in position.ignored:
             self.access.note("ignored_claim", peer, "claims a round more than one past the swarm's majority")
+        for peer in position.uncertified:
+            self.access.note("uncertified_claim", peer, f"claims an outer step past {outer_step} on a hash no group "
+                                                        f"certified (certificates.py): not counted")
         return position
 
     def anchor(self) -> Anchor:

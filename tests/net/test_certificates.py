@@ -148,3 +148,65 @@ def test_a_ladder_of_forged_statements_from_the_initial_state_grounds_nothing_fo
     chains = Chains(gather([*honest_history(33)[-3 * 16:], *ladder]), anchor)
     assert not chains.counts("sybil0", 33, f"{33:x}".rjust(64, "b"))
     assert chains.counts("p", 33, H[33])
+
+
+def split_in_three(sizes=(3, 2, 2), shas=(X, Y, H[9])):
+    """Seven peers in one group up to step 2, then step 3 in groups of `sizes` on `shas`: no hash holds half."""
+    names = [f"p{i}" for i in range(sum(sizes))]
+    groups, start = [], 0
+    for size, sha in zip(sizes, shas):
+        groups.append((names[start:start + size], sha))
+        start += size
+    history = [*honest_history(2, names), *((m, st(3, sha, H[2], f"c{sha[-1]}", len(ms)))
+                                            for ms, sha in groups for m in ms)]
+    records = [record(m, 3, sha, st(3, sha, H[2], f"c{sha[-1]}", len(ms))) for ms, sha in groups for m in ms]
+    return groups, records, commits(history), frozenset(names)
+
+
+def test_at_our_own_round_the_lineage_most_backed_peers_hold_wins_without_half():
+    """A churn split (bench/results §9): 3, 2 and 2 of seven peers on three hashes at step 3. Every side names the
+    lineage of 3; free identities voting a fourth hash at that round tip nothing."""
+    groups, records, done, founded = split_in_three()
+    sybils = [record(s, 3, H[8]) for s in SYBILS]
+    for members, sha in groups:
+        anchor = Anchor({0: H[0], 1: H[1], 2: H[2], 3: sha}, founded)
+        position = assess(members[0], 3, sha, [*records, *sybils], done, NOW, WINDOW, anchor=anchor)
+        if sha == X:
+            assert position.verdict == Verdict.AVERAGE, position.note
+        else:
+            assert (position.verdict, position.donors) == (Verdict.DIVERGED, tuple(groups[0][0])), position.note
+
+
+def test_a_tie_of_lineages_goes_to_the_larger_hash_and_one_lone_peer_outvotes_nobody():
+    groups, records, done, founded = split_in_three((2, 2, 1), (X, Y, H[9]))
+    sides = {sha: assess(ms[0], 3, sha, records, done, NOW, WINDOW, anchor=Anchor({0: H[0], 2: H[2], 3: sha}, founded))
+             for ms, sha in groups}
+    assert [sides[sha].verdict for sha in (X, Y, H[9])] == [Verdict.DIVERGED, Verdict.AVERAGE, Verdict.DIVERGED]
+    groups, records, done, founded = split_in_three((1, 1, 1), (X, Y, H[9]))
+    lone = assess("p0", 3, X, records, done, NOW, WINDOW, anchor=Anchor({0: H[0], 2: H[2], 3: X}, founded))
+    assert lone.verdict == Verdict.ALONE, lone.note
+
+
+def test_a_round_ahead_still_needs_half_of_the_peers():
+    """The first small group to commit the next step does not pull the peers still averaging ours."""
+    groups, records, done, founded = split_in_three((3, 2, 2), (X, Y, H[9]))
+    ahead = [record(m, 4, H[10], st(4, H[10], X, "d4", 2)) for m in groups[0][0][:2]]
+    done = {**done, **{r.peer_id: CommitRecord(name=r.peer_id, round=4, sha256=H[10], time=NOW - 1,
+                                               statements=[*done[r.peer_id].statements, r.statement]) for r in ahead}}
+    kept = [r for r in records if r.peer_id not in {a.peer_id for a in ahead}]
+    position = assess("p3", 3, Y, [*kept, *ahead], done, NOW, WINDOW,
+                      anchor=Anchor({0: H[0], 2: H[2], 3: Y}, founded))
+    assert position.verdict != Verdict.BEHIND, position.note
+
+
+def test_claims_ahead_that_no_certificate_backs_are_named_and_honest_ones_are_not():
+    """sybil-quorum's keys, a claim of the next step on our own hash (claim-ahead) and a forged commit record are
+    named (the peer's events say who); a groupmate that committed the next step with its group is not."""
+    honest, sybils, done = sybil_quorum()
+    ahead = [record("p", 4, H[4], st(4, H[4], H[3], "04", 2)), record("q", 4, H[4], st(4, H[4], H[3], "04", 2))]
+    liar = record("r", 4, H[3])  # our hash, a step further
+    forged = {"f": CommitRecord(name="f", round=4, sha256=Y, time=NOW - 1, statements=done["p"].statements)}
+    position = assess(ME, 3, H[3], [honest[0], *ahead, liar, *sybils], {**done, **forged}, NOW, WINDOW,
+                      anchor=LINEAGE)
+    assert position.uncertified == tuple(sorted(["f", "r", *SYBILS]))
+    assert assess(ME, 3, H[3], [*honest, *sybils], done, NOW, WINDOW).uncertified == ()  # no anchor: not judged
