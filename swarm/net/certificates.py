@@ -11,8 +11,10 @@ into certificates and says which votes they back (`Chains.counts`); policy.py co
   certify another hash.
 - **Grounded**, for an observer with a lineage (it committed or took an outer step): a certificate of a hash it
   held, or one whose signers are at least half *credited* at s: they signed grounded certificates of the
-  `WINDOW` outer steps before s, or are the run's founders (the keys the observer saw live at outer step 0,
-  while s <= WINDOW). Certificates are grounded lowest outer step first, so the chain of credit always starts
+  `WINDOW` outer steps before s, or the observer saw them do so in an earlier reading (`Anchor.credit`: the
+  records carry only the last WINDOW steps, and two lineages that split longer ago would no longer see their
+  common parent), or are the run's founders (the keys the observer saw live at outer step 0, while
+  s <= WINDOW). Certificates are grounded lowest outer step first, so the chain of credit always starts
   at the observer's own lineage or its founders: keys that never took part in a grounded outer step weigh
   nothing, their certificate of s+1 on the honest parent has no credited signer however many sign it, and a
   ladder of forged statements that starts anywhere else never starts.
@@ -35,7 +37,7 @@ strangers out.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional
 
 from swarm.net.schema import STATEMENTS, Statement
@@ -74,6 +76,7 @@ class Anchor:
 
     lineage: Mapping[int, str]
     founders: frozenset[str] = frozenset()
+    credit: Mapping[str, int] = field(default_factory=dict)  # key -> last outer step it signed, grounded, as seen
 
 
 class Chains:
@@ -81,7 +84,7 @@ class Chains:
     per reading of the records."""
 
     def __init__(self, certs: Mapping[tuple[int, str], Certificate], anchor: Anchor):
-        self.certs, self.lineage, self.founders = certs, anchor.lineage, anchor.founders
+        self.certs, self.lineage, self.founders, self.remembered = certs, anchor.lineage, anchor.founders, anchor.credit
         self.settled = any(s > 0 for s in anchor.lineage)  # it committed or took an outer step: not a newcomer
         self._by_round: dict[int, list[Certificate]] = defaultdict(list)
         for cert in certs.values():
@@ -128,9 +131,23 @@ class Chains:
             self._fill(round)
             self._credited[round] = frozenset().union(
                 self.founders if round <= WINDOW else frozenset(),
+                (key for key, s in self.remembered.items() if s >= round - WINDOW),
                 *(cert.signers for s in range(max(1, round - WINDOW), round) for cert in self._by_round.get(s, ())
                   if self._grounded[(s, cert.sha256)]))
         return self._credited[round]
+
+    def credit(self) -> dict[str, int]:
+        """Each key that signed a grounded certificate read, and the last outer step it did: what the observer
+        remembers (`Anchor.credit`, ledger.py), so that a lineage that split from ours more than WINDOW outer steps
+        ago, whose common parent the records no longer carry, stays grounded for us as it was when they did."""
+        if not self._by_round:
+            return {}
+        self._fill(max(self._by_round) + 1)
+        out: dict[str, int] = {}
+        for (s, sha), cert in sorted(self.certs.items()):
+            if self._grounded.get((s, sha)):
+                out.update(dict.fromkeys(cert.signers, s))
+        return out
 
     def counts(self, peer: str, round: int, sha256: str) -> bool:
         """Whether `peer`'s vote on (round, sha256) counts (module docstring)."""

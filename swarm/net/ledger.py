@@ -53,8 +53,18 @@ class Ledger:
         self.lineage: dict[int, str] = {}  # outer step -> the hash this peer held there
         self.statements: tuple[Statement, ...] = ()  # our last STATEMENTS signed statements, oldest first
         self.founders: frozenset[str] = frozenset()  # keys seen live at outer step 0 while we were there
+        self.credit: dict[str, int] = {}  # key -> last outer step it signed a grounded certificate, as we saw
         if path is not None and path.exists():
-            self.steps, self.lineage, self.statements, self.founders = _load(path)
+            self.steps, self.lineage, self.statements, self.founders, self.credit = _load(path)
+
+    def remember(self, credit: dict[str, int]) -> None:
+        """Keys seen signing grounded certificates, by their last outer step (certificates.Chains.credit): kept,
+        the MAX_MEMBERS most recent, so that a lineage stays grounded once its common parent with ours has left
+        the records. Saved only when something moved on."""
+        merged = {**self.credit, **{k: s for k, s in credit.items() if s > self.credit.get(k, -1)}}
+        if merged != self.credit:
+            self.credit = dict(sorted(merged.items(), key=lambda item: (-item[1], item[0]))[:MAX_MEMBERS])
+            self._save()
 
     def found(self, peers: Iterable[str]) -> None:
         """`peers` are live at outer step 0 with us: the run's founders, credited as its first signers
@@ -86,7 +96,7 @@ class Ledger:
 
     def _save(self) -> None:
         if self.path is not None:
-            _save(self.path, self.steps, self.lineage, self.statements, self.founders)
+            _save(self.path, self.steps, self.lineage, self.statements, self.founders, self.credit)
 
     def known(self, outer_step: int) -> Optional[frozenset[str]]:
         """The keys that vote in the dispute over `outer_step`: those recorded at any of the last WINDOW recorded
@@ -98,8 +108,10 @@ class Ledger:
         return frozenset().union(*(steps[s] for s in before))
 
 
-def _load(path: Path) -> tuple[dict[int, frozenset[str]], dict[int, str], tuple[Statement, ...], frozenset[str]]:
-    """A ledger file of version 2, or of version 1 (groups only: no lineage, statements or founders)."""
+def _load(path: Path) -> tuple[dict[int, frozenset[str]], dict[int, str], tuple[Statement, ...], frozenset[str],
+                              dict[str, int]]:
+    """A ledger file of version 2 (`credit` optional: written since it exists), or of version 1 (groups only: no
+    lineage, statements, founders or credit)."""
     try:
         data = json.loads(path.read_text())
         if data["version"] not in (1, 2):
@@ -112,16 +124,18 @@ def _load(path: Path) -> tuple[dict[int, frozenset[str]], dict[int, str], tuple[
         founders = frozenset(data.get("founders", []))
         if not all(isinstance(f, str) for f in founders):
             raise ValueError("a founder that is not a peer id")
+        credit = {str(k): int(v) for k, v in data.get("credit", {}).items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError, ValidationError) as e:
         raise UsageError(f"the ledger {path} is unreadable ({e}); delete it to start this peer with nothing "
                          f"recorded (it then counts identities until it averages with others again)") from None
-    return steps, lineage, statements, founders
+    return steps, lineage, statements, founders, credit
 
 
 def _save(path: Path, steps: dict[int, frozenset[str]], lineage: dict[int, str],
-          statements: tuple[Statement, ...], founders: frozenset[str]) -> None:
+          statements: tuple[Statement, ...], founders: frozenset[str], credit: dict[str, int]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"version": 2, "steps": {str(s): sorted(m) for s, m in sorted(steps.items())},
                                "lineage": {str(s): h for s, h in sorted(lineage.items())},
-                               "statements": [st.dict() for st in statements], "founders": sorted(founders)}))
+                               "statements": [st.dict() for st in statements], "founders": sorted(founders),
+                               "credit": credit}))
     os.replace(tmp, path)

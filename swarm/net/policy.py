@@ -65,7 +65,7 @@ short. A private swarm (`swarm.auth: allowlist`) keeps strangers out altogether.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Mapping, Optional, Sequence
 
@@ -95,6 +95,7 @@ class Position:
     note: str = ""
     ignored: tuple[str, ...] = ()  # peers whose round claims were false or implausible (`truthful`, `plausible`)
     uncertified: tuple[str, ...] = ()  # peers claiming a round ahead that no certificate backs (`uncertified`)
+    credit: Mapping[str, int] = field(default_factory=dict)  # keys that signed grounded certificates read (Chains)
 
 
 def is_live(record: ProgressRecord, now: float, window: float) -> bool:
@@ -242,6 +243,7 @@ def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
     backed = backing(progress, commits, anchor) if anchor is not None else None
     committed = certified(me, progress, commits, now, window, known, backed, own=round)
     disregarded = () if backed is None else uncertified(me, round, read, commits, now, window, backed)
+    credit = {} if backed is None else backed.credit()
     holders = [r for r in progress if is_live(r, now, window) and r.peer_id != me and r.serves_state]
     progress, commits = plausible(me, progress, commits, now, window)
     ignored = tuple(sorted(claimed - {r.peer_id for r in progress} - set(commits)))
@@ -251,13 +253,13 @@ def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
     swarm_sha = committed.get(swarm_round)
     if not any(r.peer_id == me for r in live):
         return Position(Verdict.UNSURE, swarm_round, swarm_sha, None, note="progress records unreadable",
-                        ignored=ignored, uncertified=disregarded)
+                        ignored=ignored, uncertified=disregarded, credit=credit)
     others = [r for r in live if r.peer_id != me]
     if swarm_round > round:
         donors = sorted(r.peer_id for r in holders if r.round == swarm_round and r.sha256 == swarm_sha)
         return Position(Verdict.BEHIND, swarm_round, swarm_sha, None, tuple(donors),
                         note=f"behind: the swarm committed round {swarm_round}, we hold round {round}",
-                        ignored=ignored, uncertified=disregarded)
+                        ignored=ignored, uncertified=disregarded, credit=credit)
     # peers a round ahead whose claim the quorum did not take may be at ours (the claim-ahead attack: left out
     # of the count, it closed our groups one member short, leaving an honest peer out)
     # (claims no certificate backs, on another hash than ours, are nobody we wait for: free identities)
@@ -269,13 +271,14 @@ def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
         donors = tuple(sorted(r.peer_id for r in holders if r.round == round and r.sha256 == majority))
         return Position(Verdict.DIVERGED, swarm_round, swarm_sha, expected, donors,
                         note=f"most live peers at round {round} hold other global parameters than ours "
-                             f"({majority[:12]})", ignored=ignored, uncertified=disregarded)
+                             f"({majority[:12]})", ignored=ignored, uncertified=disregarded, credit=credit)
     mates = [r for r in others if r.round == round and r.sha256 in (sha256, "")]
     # most of the others that may average this round (those still showing the round before count as not
     # ready: right after a commit, a forger claiming readiness may be the only one showing the new round)
     ready = 2 * sum(r.ready for r in mates) > expected - 1
     if not mates:
         return Position(Verdict.ALONE, swarm_round, swarm_sha, expected, note="alone", ignored=ignored,
-                        uncertified=disregarded)
+                        uncertified=disregarded, credit=credit)
     return Position(Verdict.AVERAGE, swarm_round, swarm_sha, expected, others_ready=ready,
-                    note=f"{len(mates)} live peers share round {round}", ignored=ignored, uncertified=disregarded)
+                    note=f"{len(mates)} live peers share round {round}", ignored=ignored, uncertified=disregarded,
+                    credit=credit)

@@ -289,6 +289,7 @@ class Records:
                                  live_window(self.cfg), self.ledger.known, self.anchor() if commits else None)
         for peer in position.ignored:
             self.access.note("ignored_claim", peer, "claims a round more than one past the swarm's majority")
+        self.ledger.remember(dict(position.credit))
         for peer in position.uncertified:
             self.access.note("uncertified_claim", peer, f"claims an outer step past {outer_step} on a hash no group "
                                                         f"certified (certificates.py): not counted")
@@ -296,7 +297,7 @@ class Records:
 
     def anchor(self) -> Anchor:
         """What we ground certificates on (certificates.py): the hashes we held, the run's founders (ledger.py)."""
-        return Anchor(self.ledger.lineage, self.ledger.founders)
+        return Anchor(self.ledger.lineage, self.ledger.founders, self.ledger.credit)
 
     def others_ready(self, outer_step: int) -> bool:
         """Asked after every inner step; reads the DHT at most once per `progress_interval` (a fresh answer

@@ -210,3 +210,27 @@ def test_claims_ahead_that_no_certificate_backs_are_named_and_honest_ones_are_no
                       anchor=LINEAGE)
     assert position.uncertified == tuple(sorted(["f", "r", *SYBILS]))
     assert assess(ME, 3, H[3], [*honest, *sybils], done, NOW, WINDOW).uncertified == ()  # no anchor: not judged
+
+
+def test_a_lineage_that_split_longer_ago_than_the_records_reach_stays_grounded_by_what_we_saw():
+    """{me, p} and {q, r} split at step 3 and go on apart to step 30 (the churn soak's three lineages): the records
+    carry the last 16 statements, so the common parent is gone, and the other half's certificates ground only on
+    the credit this peer remembered from an earlier reading, while the parent was still in the records."""
+    four, ours, theirs = ["me", "p", "q", "r"], {s: f"{s:x}".rjust(64, "c") for s in range(40)}, \
+        {s: f"{s:x}".rjust(64, "d") for s in range(40)}
+    history = [*honest_history(2, four),
+               *((m, st(s, ours[s], ours[s - 1] if s > 3 else H[2], f"a{s:02x}", 2)) for s in range(3, 31)
+                 for m in ("me", "p")),
+               *((m, st(s, theirs[s], theirs[s - 1] if s > 3 else H[2], f"b{s:02x}", 2)) for s in range(3, 31)
+                 for m in ("q", "r"))]
+    lineage = {**{s: H[s] for s in range(3)}, **{s: ours[s] for s in range(3, 31)}}
+    early = Chains(gather([st for st in history if st[1].round <= 12]), Anchor(lineage, frozenset(four)))
+    seen = early.credit()
+    assert seen["q"] == 12 and seen["me"] == 12
+    late = [st for st in history if st[1].round > 16]  # what the records still carry at step 30 (and more)
+    assert not Chains(gather(late), Anchor(lineage, frozenset(four))).counts("q", 30, theirs[30])
+    remembered = Chains(gather([st for st in history if 12 < st[1].round <= 26]), Anchor(lineage, frozenset(four), seen))
+    assert remembered.counts("q", 26, theirs[26])  # a reading in between refreshes the credit...
+    at_30 = Chains(gather(late), Anchor(lineage, frozenset(four), remembered.credit()))
+    assert at_30.counts("q", 30, theirs[30]) and at_30.counts("p", 30, ours[30])
+    assert not at_30.counts("sybil0", 30, X)

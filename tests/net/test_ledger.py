@@ -4,7 +4,7 @@ ledger survives a restart, and a damaged one is refused naming its file."""
 import pytest
 
 from swarm.errors import UsageError
-from swarm.net.ledger import KEPT, WINDOW, Ledger
+from swarm.net.ledger import KEPT, MAX_MEMBERS, WINDOW, Ledger
 from swarm.net.schema import Statement
 
 
@@ -61,3 +61,12 @@ def test_the_lineage_statements_and_founders_survive_a_restart_and_a_version_1_f
     assert again.lineage == {0: "0" * 64, 1: "9" * 64} and again.statements == ()
     path.write_text('{"version": 1, "steps": {"3": ["p"]}}')
     assert Ledger(path).known(4) == {"p"} and Ledger(path).lineage == {}
+
+
+def test_remembered_credit_moves_only_forward_survives_a_restart_and_stays_bounded(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.json")
+    ledger.remember({"q": 12, "r": 12})
+    ledger.remember({"q": 9, "s": 3})  # an older reading never takes credit back
+    assert Ledger(tmp_path / "ledger.json").credit == {"q": 12, "r": 12, "s": 3}
+    ledger.remember({f"k{i}": 20 for i in range(MAX_MEMBERS + 10)})
+    assert len(ledger.credit) == MAX_MEMBERS and "q" not in ledger.credit  # the least recent go first
