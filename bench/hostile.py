@@ -30,19 +30,28 @@ PEERS, ATTACKER = 4, 3
 RUN = ["--rounds", "4", "--diloco.inner_steps", "30", "--diloco.delay", "0",  # blocking, as in the committed table
        "--inner.warmup_steps", "10", "--data.eval_batches", "4",
        "--swarm.matchmaking_time", "3", "--swarm.request_timeout", "1", "--swarm.stall_timeout", "10"]
-# a newcomer that downloads the state, maybe from the attacker
+# a newcomer at round 2 that downloads the state, from the donors in random order: the attacker is its first in a
+# third of the runs (three newcomers at once churned a swarm this small out of a round)
 EXTRA = {"poison-state": ["--join", "2"], "poison-momentum": ["--join", "2"]}
 # a newcomer started only once the attacker's log has this line (`swarm local --join` starts joiners at once, held:
 # they would check the fingerprint before the sybil voted)
 LATE = {"sybil": "sybil: "}
-VARIANTS = {"sybil, identity_work 20": ("sybil", ["--swarm.identity_work", "20"])}  # row: (attack, extra args)
+# row: (attack, extra args); with identity_work the sybil mints for its whole budget (hostile.SYBIL_BUDGET_S) and
+# the late newcomer finds its key's work: 12 rounds keep the swarm there for it
+VARIANTS = {"sybil, identity_work 20": ("sybil", ["--swarm.identity_work", "20", "--rounds", "12"])}
 QUICK = ["huge", "trickle", "sybil"]
 JOINER = f"peer-{PEERS}"  # the first newcomer's name (swarm local numbers joiners after the peers)
+FIRST = {f"peer-{i}" for i in range(PEERS)}  # the peers there from the start
+
+
+def run_args(extra: tuple = ()) -> list[str]:
+    """RUN, then `extra` (whose `--rounds`, if any, replaces RUN's)."""
+    return [*(RUN[2:] if "--rounds" in extra else RUN), *extra]
 
 
 def local_swarm(out: Path, hostile: Optional[str], timeout: float = 900, extra: tuple = ()) -> dict:
     argv = [sys.executable, "-m", "swarm.cli", "local", "--config", "configs/tiny.yaml", "--peers", str(PEERS),
-            "--out", str(out), "--no-monitor", *RUN, *EXTRA.get(hostile, []), *extra,
+            "--out", str(out), "--no-monitor", *run_args(extra), *EXTRA.get(hostile, []),
             *(["--hostile", f"{hostile}@{ATTACKER}"] if hostile else [])]
     shutil.rmtree(out, ignore_errors=True)  # a run left there would resume from its checkpoints
     start, late = time.time(), None
@@ -72,7 +81,7 @@ def newcomer(out: Path, extra: tuple) -> subprocess.Popen:
     maddr = _last_line(out.with_suffix(".log"), "bootstrap at ").removeprefix("bootstrap at ")
     return spawn(["-m", "swarm.cli", "peer", "--config", "configs/tiny.yaml", "--initial-peers", maddr, "--name",
                   "newcomer", "--out", str(out / "newcomer"),
-                  *[("--diloco.rounds" if arg == "--rounds" else arg) for arg in RUN], *extra,
+                  *[("--diloco.rounds" if arg == "--rounds" else arg) for arg in run_args(extra)],
                   "--swarm.target_group_size", str(PEERS + 1),
                   "--diloco.threads", "1", "--logging.progress_bar", "false"], out / "newcomer" / "log.txt")
 
@@ -104,7 +113,7 @@ def outcome(run: dict) -> dict:
     committed = [[r for r in p["rounds"] if r["committed"]] for p in honest]
     seq_len = summary["config"]["data"]["seq_len"] if run["summary"] else 1
     # rounds committed by the peers there from the start (a joiner cannot commit the rounds before it came)
-    rounds = min((len(c) for p, c in zip(honest, committed) if p.get("name") != JOINER), default=0)
+    rounds = min((len(c) for p, c in zip(honest, committed) if p.get("name") in FIRST), default=0)
     # the honest peers' own samples (inner steps x batch) per committed round, summed over the honest peers
     samples = [sum(sum(round(r["tokens_per_s"] * r["compute_s"] / seq_len) for r in c) / len(c)
                    for c in committed if c)] if rounds else []
@@ -113,7 +122,8 @@ def outcome(run: dict) -> dict:
     honest_ids, honest_names = {p["peer_id"] for p in honest}, {p["name"] for p in honest}
     honest_banned = sorted({e["peer_id"] for e in summary["events"] if e["event"] == "banned"
                             and e.get("peer_id") in honest_ids and e.get("peer") in honest_names})
-    naming = ("offense", "banned", "ignored_claim", "uncertified_claim", "streams", "unproven")
+    naming = ("offense", "banned", "left out", "ignored_claim", "uncertified_claim", "outsized_weight", "streams",
+              "unproven")
     caught = sorted({f"{e['event']}: {e.get('what', '')}" for e in summary["events"] if e.get("peer_id") in attacker_ids
                      and e["event"] in naming})
     if run.get("joiner") is not None:
@@ -124,7 +134,7 @@ def outcome(run: dict) -> dict:
         caught.append(run["attacker_says"].partition("sybil: ")[2] or run["attacker_says"])
     return {"rc": run["rc"], "wall_s": run["wall_s"], "honest": len(honest), "joiner": run.get("joiner"),
             "late_newcomer": run.get("late_newcomer"),
-            "rounds": rounds,
+            "rounds": rounds, "of": summary["config"]["diloco"]["rounds"] if run["summary"] else 0,
             "one_hash": len({p["final_global_sha256"] for p in honest}) == 1 and bool(honest),
             "samples_per_round": statistics.mean(samples) if samples else 0.0,
             "eval_loss": statistics.mean(losses) if losses else None, "caught": caught,
@@ -146,21 +156,24 @@ def run(quick: bool = False, rerun: bool = True) -> dict:
                 **logged(out)}
     base = outcome(swarm("none", None))
     rows, results = [], {"none": base}
-    rows.append(["none", f"{base['rounds']}/4", base["one_hash"], f"{base['samples_per_round']:.0f} (100%)",
+    rows.append(["none", f"{base['rounds']}/{base['of']}", base["one_hash"], f"{base['samples_per_round']:.0f} (100%)",
                  f"{base['eval_loss']:.4f}" if base["eval_loss"] else "-", "-", len(base["honest_banned"]), "-"])
     for attack, (kind, extra) in rows_to_run.items():
         got = outcome(swarm(attack, kind, extra))
         results[attack] = got
         share = got["samples_per_round"] / base["samples_per_round"] if base["samples_per_round"] else 0.0
         loss = got["eval_loss"]
-        delta = f"{100 * (loss / base['eval_loss'] - 1):+.1f}%" if loss and base["eval_loss"] else "-"
-        rows.append([attack, f"{got['rounds']}/4", got["one_hash"], f"{got['samples_per_round']:.0f} ({share:.0%})",
-                     f"{loss:.4f}" if loss else "-", delta, len(got["honest_banned"]),
+        comparable = loss and base["eval_loss"] and got["of"] == base["of"]  # another run length: another loss
+        delta = f"{100 * (loss / base['eval_loss'] - 1):+.1f}%" if comparable else "-"
+        rows.append([attack, f"{got['rounds']}/{got['of']}", got["one_hash"],
+                     f"{got['samples_per_round']:.0f} ({share:.0%})", f"{loss:.4f}" if loss else "-", delta,
+                     len(got["honest_banned"]),
                      "; ".join(got["caught"])[:240] or "no event names it"])
     table = md_table(["attack (peer 3 of 4)", "honest rounds committed", "one hash", "samples / round",
                       "eval loss", "vs unattacked", "honest peers banned", "what caught it (honest peers' events)"],
                      rows)
-    extras = "; ".join(f"{kind}: {' '.join(args)}" for kind, args in EXTRA.items())
+    extras = "; ".join([*(f"{kind}: {' '.join(args)}" for kind, args in EXTRA.items()),
+                        *(f"{row}: {' '.join(args)}" for row, (_, args) in VARIANTS.items())])
     d = SwarmConfig()  # the shipped defaults the table is measured with
     note = (f"\n\n`swarm local --config configs/tiny.yaml --peers {PEERS} {' '.join(RUN)} --hostile KIND@{ATTACKER}`; "
             f"(defaults otherwise: swarm.max_weight_share {d.max_weight_share:g}, "

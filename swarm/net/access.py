@@ -76,21 +76,23 @@ class Access:
             return f"{peer} is banned from this run"
         return f"{peer} is not in this run's allowlist (swarm.allowed_peers)"
 
-    def offense(self, peer_id: object, what: str) -> bool:
-        """Count one offense of `peer_id`; True if it is now banned."""
+    def offense(self, peer_id: object, what: str, conclusive: bool = False) -> bool:
+        """Count one offense of `peer_id`; True if it is now banned. `conclusive`: what no honest peer ever does
+        (allreduce.CONCLUSIVE), banned at once."""
         peer = str(peer_id)
         with self._lock:
             count = self._offenses.pop(peer, 0) + 1
             self._offenses[peer] = count
             while len(self._offenses) > MAX_TRACKED:
                 self._offenses.popitem(last=False)
-            banned = count >= self.ban_after and peer not in self.banned
+            banned = (conclusive or count >= self.ban_after) and peer not in self.banned
             if banned:
                 self.banned.add(peer)
         self.note("offense", peer, what)
         if not banned:
             logger.warning(f"offense by {peer}: {what}")
             return False
-        self.note("banned", peer, f"after {count} offenses; the last: {what}")
-        logger.warning(f"banned {peer} for the rest of the run after {count} offenses; the last: {what}")
+        why = f"at once, conclusive: {what}" if conclusive else f"after {count} offenses; the last: {what}"
+        self.note("banned", peer, why)
+        logger.warning(f"banned {peer} for the rest of the run {why}")
         return True

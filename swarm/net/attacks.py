@@ -16,16 +16,20 @@ ATTACKS = {
     "bad-part": "returns a wrong average for the part it owns (swarm.verify_parts)",
     "audit-lie": "answers its groupmates' audits with other bytes than it sent the owner (allreduce/evidence.py: "
                  "its own signature over what it sent names it)",
-    "frame": "leads matchmaking and hands its followers forged metas of their groupmates, malformed (signedmeta: "
-             "every member signs its own meta; the followers charge the leader, never each other)",
+    "frame": "leads matchmaking (waits a third of swarm.matchmaking_time) and hands its followers forged metas "
+             "of their groupmates, malformed (signedmeta: every member signs its own meta; the followers charge "
+             "the leader, never each other)",
+    "replay": "leads matchmaking and hands its followers each member's signed meta of an earlier round (a meta "
+              "names its round and attempt's nonce: the member whose meta it is charges the leader; the others "
+              "leave the group charging nobody, matchmaking.misfit)",
     "lying-owner": "sends one member other bytes of its part's average than the others (allreduce/agree.py: "
                    "members compare their owners' signed digests before committing)",
     "stall-round": "signs matchmaking metadata of another round (matchmaking.misfit names the member that signed it)",
     "stall-numel": "signs matchmaking metadata with another vector size (matchmaking.misfit names it)",
     "stall-token": "puts another token in the matchmaking barrier than its meta says (the barrier decides only "
                    "a round's first attempt; then the all-reduce's HELLOs do)",
-    "stall-silent": "pushes one chunk of each part, then holds its streams open, silent (each owner names it: "
-                    "SEEN, left out for the averaging attempt)",
+    "stall-silent": "pushes all but the last chunk of each part, then holds its streams open, silent (each "
+                    "owner names it: SEEN, left out for the averaging attempt)",
     "garbage-meta": "sends matchmaking metadata that does not fit (matchmaking.GroupMeta, then a ban)",
     "poison-state": "serves a state with the right shapes and wrong values under the committed hash (the "
                     "newcomer hashes what it downloads)",

@@ -111,13 +111,14 @@ class Offenses:
         self._at(round)
         self.unproven = set()
 
-    def record(self, peer: PeerID | str, round: int, reason: str, proven: bool = True) -> None:
+    def record(self, peer: PeerID | str, round: int, reason: str, proven: bool = True,
+               conclusive: bool = False) -> None:
         """`peer` made an attempt of `round` fail: out of our groups (see the class); `proven` also counts an
-        offense. Unproven: only noted."""
+        offense (`conclusive`: one that bans at once). Unproven: only noted."""
         self._at(round)
         (self.proven if proven else self.unproven).add(str(peer))
         if proven:
-            self.access.offense(peer, reason)
+            self.access.offense(peer, reason, conclusive)
         else:
             self.access.note("left out", peer, f"round {round + 1}: {reason}")
 

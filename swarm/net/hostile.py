@@ -74,6 +74,11 @@ class Hooks(AllReduceHooks):
     def weight(self, weight: float) -> float:
         return weight
 
+    def matchmaking_time(self, seconds: float) -> float:
+        """How long we wait in matchmaking (swarm.matchmaking_time): hivemind's peers join the one whose wait
+        ends first, so a shorter wait makes us their leader."""
+        return seconds
+
     def manifest(self, manifest: dict) -> dict:
         """The manifest of the state we serve to a newcomer (round, sha256, meta, and per tensor
         [name, dtype, shape, bytes]), before it is sent."""
@@ -95,6 +100,8 @@ class Attacker(Hooks):
         self.kinds = set(kinds)
         self._beats = 0
         self._published: Optional[dict] = None  # our last progress record as we made it (sybil-quorum)
+        self._seen: dict[bytes, bytes] = {}  # member -> the last meta it signed for a group we led (replay)
+        self._led: dict[bytes, Any] = {}  # the last group we led -> the message we hand its followers
         logger.warning(f"this peer is HOSTILE (faults.hostile): {', '.join(sorted(self.kinds))}")
 
     def progress(self, record: dict) -> dict:
@@ -126,18 +133,31 @@ class Attacker(Hooks):
     def weight(self, weight: float) -> float:
         return float(CLAIMED_SAMPLES) if "weight" in self.kinds else weight
 
+    def matchmaking_time(self, seconds: float) -> float:
+        """frame, replay: lead the groups (a third of the others' wait)."""
+        return seconds / 3 if self.kinds & {"frame", "replay"} else seconds
+
     def lead(self, message):
         """frame: every member's meta, as we hand it on, says `samples: "lots"` (malformed): followers that
-        trusted the leader's word would charge each other offenses, and ban each other after two."""
-        if "frame" not in self.kinds:
+        trusted the leader's word would charge each other offenses, and ban each other after two.
+        replay: every member's meta is the one it signed for an earlier group we led, once we have one (each
+        signature verifies): followers that trusted a valid signature would charge that member "metadata of
+        another round", and ban it after two."""
+        if "frame" not in self.kinds and "replay" not in self.kinds:
             return message
+        if message.group_id in self._led:  # this runs once per follower: each gets the group's one message
+            return self._led[message.group_id]
         forged = []
-        for entry in message.gathered:
+        for peer, entry in zip(message.ordered_peer_ids, message.gathered):
             bandwidth, mode, user = MSGPackSerializer.loads(entry)
-            meta = dict(MSGPackSerializer.loads(user), samples="lots")
-            forged.append(MSGPackSerializer.dumps([bandwidth, mode, MSGPackSerializer.dumps(meta)]))
-        return averaging_pb2.MessageFromLeader(code=message.code, group_id=message.group_id,
-                                               ordered_peer_ids=message.ordered_peer_ids, gathered=forged)
+            if "frame" in self.kinds:
+                user = MSGPackSerializer.dumps(dict(MSGPackSerializer.loads(user), samples="lots"))
+            else:
+                user, self._seen[peer] = self._seen.get(peer, user), user
+            forged.append(MSGPackSerializer.dumps([bandwidth, mode, user]))
+        self._led = {message.group_id: averaging_pb2.MessageFromLeader(
+            code=message.code, group_id=message.group_id, ordered_peer_ids=message.ordered_peer_ids, gathered=forged)}
+        return self._led[message.group_id]
 
     def contribution(self, values: torch.Tensor) -> torch.Tensor:
         if "nan" in self.kinds:
@@ -155,10 +175,11 @@ class Attacker(Hooks):
         return values + 1.0 if "bad-part" in self.kinds else values
 
     async def push(self, group, j: int, channel: Channel, push) -> None:
-        """stall-silent: push the first chunk of each part, then hold the stream open and send nothing more."""
+        """stall-silent: push all but the last chunk of each part (none of a part of one chunk), then hold the
+        stream open and send nothing more."""
         if "stall-silent" not in self.kinds:
             return await push(None)
-        await push(1)
+        await push(-1)
         await asyncio.Event().wait()  # until the group is over here (cancelled)
 
     def result(self, group, i: int, k: int, payload: bytes) -> bytes:

@@ -78,6 +78,7 @@ from pydantic.v1 import BaseModel, StrictBool, StrictBytes, ValidationError, con
 from swarm.config import SwarmConfig
 from swarm.net import schema, signedmeta
 from swarm.net.access import Access
+from swarm.net.allreduce.robust import OUTSIZED, outsized
 from swarm.net.dht import children_die_with_us
 from swarm.net.identity import Identity
 
@@ -336,6 +337,13 @@ class Matchmaker:
                       + ", ".join(f"{p} ({why})" for p, why in forged))
             self.access.offense(culprit, reason)
             raise NoGroup(reason, alone=False, left=group, culprits=(culprit,))
+        mine = [m for p, m in zip(members, metas) if p == self.averager.peer_id]
+        if leader is not None and mine != [ours]:  # signed by us, but not what we sent for this attempt
+            reason = (f"round {round}: the group from leader {leader} holds another meta of ours than we sent for "
+                      f"this attempt (a replay)" if mine else f"round {round}: leader {leader} left us out of its "
+                      f"group")
+            self.access.offense(leader, reason)
+            raise NoGroup(reason, alone=False, left=group, culprits=(leader,))
         bad = [str(p) for p, m, ok in zip(members, metas, admitted) if ok and not fits(m)]
         if bad:  # signed by its member: its own words
             for peer in bad:
@@ -343,6 +351,9 @@ class Matchmaker:
             raise NoGroup(f"round {round}: malformed matchmaking metadata from {', '.join(bad)}", alone=False,
                           left=group, culprits=tuple(bad))
         checked = {str(p): GroupMeta.parse_obj(m) for p, m, ok in zip(members, metas, admitted) if ok}
+        for peer in outsized({p: m.samples for p, m in checked.items()}):
+            self.access.note("outsized_weight", peer, f"claims {checked[peer].samples} samples, over {OUTSIZED}x its "
+                                                      f"group's median: its share is capped (swarm.max_weight_share)")
         if (found := misfit(round, checked, GroupMeta.parse_obj(ours))) is not None:
             reason, culprits = found
             for peer in culprits:

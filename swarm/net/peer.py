@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import random
@@ -50,7 +51,7 @@ from swarm.diloco import PseudoGradient
 from swarm.errors import SwarmError
 from swarm.net import policy, schema
 from swarm.net.access import Access
-from swarm.net.allreduce import PROOF, AllReduce, AllReduceFailed, Contribution, Rule, WireLayout
+from swarm.net.allreduce import CONCLUSIVE, PROOF, AllReduce, AllReduceFailed, Contribution, Rule, WireLayout
 from swarm.net.budget import chunk_elements, round_deadline
 from swarm.net.codec import get_codec
 from swarm.net.dht import allowed_peers
@@ -95,7 +96,9 @@ class SwarmAverager(Averager):
         self.access = Access(allowed_peers(cfg))
         self.offenses = Offenses(self.access)  # groupmates caught misbehaving: left out of our groups
         self.hooks = hooks_for(self.faults.hostile)  # a hostile peer's attacks (tests and demos only)
-        self.matchmaker = Matchmaker(cfg, dht, fingerprint, self.access, identity, self.hooks.lead)
+        # a hostile leader may declare itself sooner than the others, so that it leads their groups
+        matching = dataclasses.replace(cfg, matchmaking_time=self.hooks.matchmaking_time(cfg.matchmaking_time))
+        self.matchmaker = Matchmaker(matching, dht, fingerprint, self.access, identity, self.hooks.lead)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="swarm-net", daemon=True)
         self._thread.start()
@@ -248,7 +251,8 @@ class SwarmAverager(Averager):
             job.reason = str(e)
             culprit = getattr(e, "culprit", None)
             if culprit is not None and str(culprit) != self.peer_id:
-                self.offenses.record(culprit, job.outer_step, job.reason, proven=e.blame == PROOF)
+                self.offenses.record(culprit, job.outer_step, job.reason, proven=e.blame in (PROOF, CONCLUSIVE),
+                                     conclusive=e.blame == CONCLUSIVE)
             logger.warning(f"outer step {job.outer_step + 1}: all-reduce in a group of {len(group.members)} "
                            f"failed: {e}; retrying")
             return None
@@ -299,7 +303,9 @@ class SwarmAverager(Averager):
         while True:
             position = self.records.assess(outer_step, sha256)
             needed = must or position.verdict in (policy.Verdict.BEHIND, policy.Verdict.DIVERGED)
-            candidates = list(donors or position.donors)
+            # the policy's donors in random order: the load spreads, and a key ground to sort first is not every
+            # newcomer's first donor
+            candidates = list(donors) if donors else random.sample(position.donors, len(position.donors))
             if must:
                 live = [r for r in self.records.peers() if r.peer_id != self.peer_id and r.serves_state
                         and r.round >= outer_step and policy.is_live(r, get_dht_time(), live_window(self.cfg))]

@@ -122,6 +122,7 @@ class Channel:
         self.deadline: float | None = None  # loop time by which the next frame must be whole (`serve`: the first)
         self._partial = 0  # bytes of the frame being read so far
         self._mid_frame = False  # a send was cancelled between the pieces of its frame
+        self._reading = asyncio.Lock()  # asyncio allows one reader per stream: frames and `drain` take turns
         self.peer_failed = False  # the peer sent FAIL: it closes once we do, so draining it waits for nothing
 
     def count_into(self, traffic: Traffic) -> None:
@@ -155,13 +156,14 @@ class Channel:
                            f"all of it within {FIRST_FRAME_STALLS} x {self.stall:g} s (a trickle)") from None
 
     async def _recv(self, max_bytes: int) -> tuple[Kind, bytearray]:
-        self._partial = 0
-        kind, length = HEADER.unpack(await self._read(HEADER.size))
-        if kind not in Kind._value2member_map_:
-            raise ProtocolError(f"{self.peer} sent a frame of unknown kind {kind}")
-        if length > max_bytes:
-            raise ProtocolError(f"{self.peer} announced {length} bytes where at most {max_bytes} fit")
-        payload = await self._read(length)
+        async with self._reading:  # a whole frame: `drain` (bounded) waits for its end
+            self._partial = 0
+            kind, length = HEADER.unpack(await self._read(HEADER.size))
+            if kind not in Kind._value2member_map_:
+                raise ProtocolError(f"{self.peer} sent a frame of unknown kind {kind}")
+            if length > max_bytes:
+                raise ProtocolError(f"{self.peer} announced {length} bytes where at most {max_bytes} fit")
+            payload = await self._read(length)
         if kind == Kind.FAIL:
             self.peer_failed = True
             raise parse_fail(self.peer, payload)
@@ -233,8 +235,9 @@ class Channel:
             return
         try:
             async with asyncio.timeout(min(self.stall, 5.0)):
-                while await self.reader.read(PIECE):
-                    pass
+                async with self._reading:  # after a frame another task is reading (a failed group's exchange)
+                    while await self.reader.read(PIECE):
+                        pass
         except (TimeoutError, ConnectionError):
             pass
 

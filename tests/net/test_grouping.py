@@ -30,6 +30,18 @@ def test_an_offender_is_left_out_this_round_and_banned_after_two():
     assert peer(2) not in offenses.exclude(g, round=5)[0].members  # two: out for the run
 
 
+def test_a_conclusive_offense_bans_at_once():
+    """Non-finite values in a contribution (allreduce.CONCLUSIVE): no honest peer sends them, so one is enough.
+    Banned at two, a NaN sender spoiled one attempt per honest owner, and with groups split that cost an honest
+    peer a round (hostile bench, `nan` row: 3 of 4 rounds)."""
+    offenses = grouping.Offenses(Access())
+    offenses.record(peer(2), round=0, reason="part contains NaN or Inf", conclusive=True)
+    assert peer(2) not in offenses.exclude(group(4), round=1)[0].members
+    assert offenses.access.banned == {str(peer(2))}
+    assert [e["event"] for e in offenses.access.events] == ["offense", "banned"]
+    assert "at once, conclusive: part contains NaN or Inf" in offenses.access.events[-1]["what"]
+
+
 def test_an_unproven_culprit_is_taken_back_at_the_next_attempt_a_proven_one_is_not():
     """Two honest peers blamed each other for a trickler's stall (unproven): left out for the round, each would
     stay alone and retry the discarded round for ever."""

@@ -257,3 +257,23 @@ def test_records_out_of_bounds_are_no_records():
             _commit(at=now)), now + 60))
     assert stored(writer.owner)
     assert not stored(writer.owner + b"x" + writer.owner)  # a second subkey of the same owner
+
+
+@pytest.mark.timeout(30)
+def test_a_drain_while_another_task_reads_takes_its_turn():
+    """A failed group FAILs its streams to the owners (`Channel.refuse`, which drains them) while its exchange task
+    may still read one: asyncio allows one reader per stream, and `drain` raised RuntimeError (hostile bench, `nan`
+    row). Now the reader finishes its frame, then `drain` discards the rest."""
+    async def main():
+        reader = asyncio.StreamReader()
+        channel = Channel(reader, None, "peer", stall=STALL)
+        reading = asyncio.ensure_future(channel.recv(16))
+        await asyncio.sleep(0.01)
+        draining = asyncio.ensure_future(channel.drain())
+        await asyncio.sleep(0.01)
+        reader.feed_data(HEADER.pack(Kind.DATA, 3) + b"abc" + b"what the peer still sends")
+        reader.feed_eof()
+        assert await reading == (Kind.DATA, bytearray(b"abc"))
+        await draining
+        assert reader.at_eof()
+    asyncio.run(main())

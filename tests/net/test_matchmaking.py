@@ -1,6 +1,7 @@
 """Matchmaking: peers of one round meet in one group, in one order, behind a checked barrier."""
 
 import concurrent.futures
+import contextlib
 import subprocess
 import sys
 import time
@@ -116,32 +117,60 @@ def test_a_peer_alone_gets_one_line_not_a_traceback():
     assert "Traceback" not in result.stderr and "could not find a group" not in result.stderr, result.stderr[-2000:]
 
 
+@contextlib.contextmanager
+def led_by(attack: str):
+    """Three matchmakers where only the first can lead (the others are clients), and it runs `attack` as a
+    leader; yields them and the leader's peer id."""
+    from swarm.net.hostile import Attacker
+
+    with three_dhts() as dhts:
+        lead = Attacker([attack]).lead
+        makers = [Matchmaker(fast_cfg(client_mode=i > 0), dht, "fp", lead=lead if i == 0 else (lambda m: m))
+                  for i, dht in enumerate(dhts)]
+        try:
+            yield makers, str(makers[0].averager.peer_id)
+        finally:
+            for m in makers:
+                m.close()
+
+
+def charged_only(makers: list[Matchmaker], evil: str) -> None:
+    for maker in makers[1:]:
+        assert maker.access.banned == {evil}, maker.access.events
+        assert {e["peer_id"] for e in maker.access.events} == {evil}, maker.access.events
+
+
 @pytest.mark.timeout(120)
 def test_a_leader_that_forges_its_followers_metas_is_charged_never_the_followers():
     """The `frame` attack: the only peer that can lead (the others are clients) hands its followers metas of
     their groupmates that it forged (malformed). Each follower finds them unsigned by their members and
     charges the leader, never the groupmate; after two rounds the leader is banned and no longer joined."""
-    from swarm.net.hostile import Attacker
+    with led_by("frame") as (makers, evil):
+        for round in (1, 2):
+            results = form_groups(makers, round)[1:]
+            for got in results:
+                assert isinstance(got, NoGroup) and got.culprits == (evil,), results
+                assert f"the group from leader {evil} holds metadata its members did not sign" in got.reason
+        charged_only(makers, evil)
+        results = form_groups(makers, 3)[1:]  # nobody left to lead two clients: no group, nobody charged
+        assert all(isinstance(g, NoGroup) and not g.culprits for g in results), results
 
-    with three_dhts() as dhts:
-        frame = Attacker(["frame"]).lead
-        makers = [Matchmaker(fast_cfg(client_mode=i > 0), dht, "fp", lead=frame if i == 0 else (lambda m: m))
-                  for i, dht in enumerate(dhts)]
-        evil = str(makers[0].averager.peer_id)
-        try:
-            for round in (1, 2):
-                results = form_groups(makers, round)[1:]
-                for got in results:
-                    assert isinstance(got, NoGroup) and got.culprits == (evil,), results
-                    assert f"the group from leader {evil} holds metadata its members did not sign" in got.reason
-            for maker in makers[1:]:
-                assert maker.access.banned == {evil}, maker.access.events
-                assert {e["peer_id"] for e in maker.access.events} == {evil}, maker.access.events
-            results = form_groups(makers, 3)[1:]  # nobody left to lead two clients: no group, nobody charged
-            assert all(isinstance(g, NoGroup) and not g.culprits for g in results), results
-        finally:
-            for m in makers:
-                m.close()
+
+@pytest.mark.timeout(120)
+def test_a_leader_that_replays_its_followers_earlier_metas_is_charged_never_the_followers():
+    """The `replay` attack: the only peer that can lead hands each follower's meta of the group before (signed by
+    that follower: every signature verifies). Each follower finds a meta of its own it did not send for this
+    attempt and charges the leader; the meta's signer, named in "metadata of another round" by a groupmate that
+    trusted the signature, is never charged. After two replays the leader is banned."""
+    with led_by("replay") as (makers, evil):
+        first = form_groups(makers, 1)[1:]  # nothing to replay yet: an honest group
+        assert all(not isinstance(g, Exception) and len(g.members) == 3 for g in first), first
+        for round in (2, 3):
+            results = form_groups(makers, round)[1:]
+            for got in results:
+                assert isinstance(got, NoGroup) and got.culprits == (evil,), results
+                assert "another meta of ours than we sent for this attempt (a replay)" in got.reason, got.reason
+        charged_only(makers, evil)
 
 
 @pytest.mark.timeout(90)

@@ -91,3 +91,14 @@ def test_weighted_mean_is_bit_identical_to_a_fixed_recipe():
 def test_stable_rounds_scalars():
     assert robust.stable(1.23456789e-3) == 1.234568e-3
     assert robust.stable(float("inf")) == float("inf")
+
+
+@pytest.mark.parametrize("samples, named", [
+    ({"a": 100, "b": 120, "c": 10**18}, ["c"]),          # the weight attack: 1e18 beside 100s
+    ({"a": 100, "b": 120, "c": 100 * 100}, []),          # exactly OUTSIZED x the median: not named
+    ({"a": 100, "b": 100 * 100 + 1}, ["b"]),             # two members: the lower median is the smaller
+    ({"a": 0, "b": 0, "c": 10**18}, []),                  # a median of 0 names nobody
+    ({}, []),
+])
+def test_outsized_names_claims_over_the_median(samples, named):
+    assert robust.outsized(samples) == named

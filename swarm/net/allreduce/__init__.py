@@ -16,10 +16,10 @@ Other modules use what this file exports; the rest is the package's own.
 """
 
 from swarm.net.allreduce.allreduce import AllReduce
-from swarm.net.allreduce.groupstate import PROOF, SEEN, TOLD, AllReduceFailed, Contribution
+from swarm.net.allreduce.groupstate import CONCLUSIVE, PROOF, SEEN, TOLD, AllReduceFailed, Contribution
 from swarm.net.allreduce.hooks import AllReduceHooks
 from swarm.net.allreduce.layout import WireLayout
 from swarm.net.allreduce.robust import Rule
 
-__all__ = ["PROOF", "SEEN", "TOLD", "AllReduce", "AllReduceFailed", "AllReduceHooks", "Contribution", "Rule",
-           "WireLayout"]
+__all__ = ["CONCLUSIVE", "PROOF", "SEEN", "TOLD", "AllReduce", "AllReduceFailed", "AllReduceHooks", "Contribution",
+           "Rule", "WireLayout"]

@@ -44,6 +44,7 @@ from hivemind.p2p import P2P, PeerID
 from swarm.net.access import Access
 from swarm.net.allreduce import agree, audit, evidence
 from swarm.net.allreduce.groupstate import (
+    CONCLUSIVE,
     PROOF,
     SEEN,
     TOLD,
@@ -65,6 +66,10 @@ from swarm.net.wire import Channel, Kind, PeerFailed, ProtocolError, Traffic, Wi
 from swarm.tensors import all_finite
 
 logger = logging.getLogger(__name__)
+
+
+class NotFinite(CodecError):
+    """A contribution that decodes to NaN or Inf: no honest peer sends one (see `CONCLUSIVE`)."""
 
 class AllReduce(GroupSlots):
     """Runs all-reduces among groups formed elsewhere; one instance per peer, stream handlers under `name`."""
@@ -343,14 +348,15 @@ class AllReduce(GroupSlots):
                     group.received.setdefault(i, []).append(group.digests[k][i])
                 values = await self.cpu(codec.decode, payload, chunk.numel)
                 if not all_finite(values):
-                    raise CodecError("part contains NaN or Inf")
+                    raise NotFinite("part contains NaN or Inf")
             except PeerFailed as e:  # it gave up, naming whom it holds responsible
                 await group.fail(f"part {group.me}: {e}", e.culprit, TOLD)
                 return
-            except (WireError, CodecError) as e:  # malformed: PROOF; silent or gone mid-part: SEEN
+            except (WireError, CodecError) as e:  # not finite: CONCLUSIVE; malformed: PROOF; silent or gone: SEEN
                 if group.failure is None:
                     logger.warning(f"all-reduce: rejected the contribution of {channel.peer}: {e}")
                 await group.fail(f"part {group.me}: rejected the contribution of {channel.peer}: {e}", channel.peer,
+                                 CONCLUSIVE if isinstance(e, NotFinite) else
                                  PROOF if isinstance(e, (ProtocolError, CodecError)) else SEEN)
                 return
             except AllReduceFailed:

@@ -104,6 +104,18 @@ def cap_weights(weights: Sequence[float], cap: float) -> list[float]:
     return [cap if i in capped else (w / free_total * mass if w > 0 else 0.0) for i, w in enumerate(weights)]
 
 
+OUTSIZED = 100
+"""A member claiming more than this many times the lower median of its group's samples is named (`outsized`)."""
+
+
+def outsized(samples: dict[str, int]) -> list[str]:
+    """The members (peer id -> samples claimed) whose weight is over OUTSIZED times the group's lower median. Their
+    share is capped anyway (swarm.max_weight_share, allreduce/robust.py); naming them lets the events say who
+    claimed it. A median of 0 (members that trained nothing) names nobody."""
+    median = sorted(samples.values())[(len(samples) - 1) // 2] if samples else 0
+    return sorted(p for p, n in samples.items() if median > 0 and n > OUTSIZED * median)
+
+
 def clip_norms(xs: Sequence[torch.Tensor], ratio: float) -> list[torch.Tensor]:
     """Each of `xs` scaled down to norm <= ratio x the lower median of their norms (unchanged if below)."""
     norms = [norm(x) for x in xs]
