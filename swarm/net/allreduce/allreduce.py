@@ -71,6 +71,7 @@ logger = logging.getLogger(__name__)
 class NotFinite(CodecError):
     """A contribution that decodes to NaN or Inf: no honest peer sends one (see `CONCLUSIVE`)."""
 
+
 class AllReduce(GroupSlots):
     """Runs all-reduces among groups formed elsewhere; one instance per peer, stream handlers under `name`."""
 

@@ -30,7 +30,7 @@ PROOF, SEEN, TOLD, CONCLUSIVE = "proof", "seen", "told", "conclusive"
 """How we know who made an all-reduce fail (`AllReduceFailed.blame`):
 - CONCLUSIVE: we saw it send non-finite values, which no honest peer sends whatever its codec or link (it checks
   its own values, codecs clamp, streams are authenticated and encrypted): banned at once;
-- PROOF: we saw it ourselves send what no honest peer sends (malformed or non-finite data, a weight other than
+- PROOF: we saw it ourselves send what no honest peer sends (malformed data, a weight other than
   it announced, a wrong average, two signed digests of one part): an offense (access.py: banned after
   BAN_AFTER);
 - SEEN: we saw it go silent, or leave, in the middle of its part (an honest peer may die or lose its link);
