@@ -32,6 +32,7 @@ class Averaging:
     deadline: float = 0.0  # budget.round_deadline from `start`
     residual: Optional[list[torch.Tensor]] = None  # swarm.error_feedback with a lossy codec
     reason: str = "the round's deadline is too short for one attempt"
+    expected: Optional[int] = None  # the group size the records led the last matchmaking attempt to wait for
 
     def elapsed(self) -> float:
         return time.monotonic() - self.start

@@ -207,10 +207,10 @@ class SwarmAverager(Averager):
 
     def _form_group(self, job: Averaging, position: policy.Position, left: float) -> Group | RoundOutcome | None:
         """Matchmaking, less the offenders and the groupmates on a minority's base; None: retry (job.reason)."""
+        job.expected = position.expected_group if self.averaged_once else None
         try:
-            group = self.matchmaker.form_group(
-                job.outer_step, self.hooks.meta(job.meta), timeout=min(left, 2 * self.cfg.matchmaking_time),
-                expected=position.expected_group if self.averaged_once else None)
+            group = self.matchmaker.form_group(job.outer_step, self.hooks.meta(job.meta),
+                                               timeout=min(left, 2 * self.cfg.matchmaking_time), expected=job.expected)
             kept, dropped = self.offenses.exclude(group, job.outer_step)  # first: their meta is unread
             if dropped:
                 self._abandon(group, "offenders left out", dropped)  # whoever runs it; `_regroup` on their side
@@ -233,7 +233,8 @@ class SwarmAverager(Averager):
         """The all-reduce in `group` into `job.out`: its traffic and duration; None: it failed (job.reason),
         and a groupmate it names as the culprit is left out of our next groups."""
         logger.info(f"outer step {job.outer_step + 1}: group formed with {len(group.members)} peers in "
-                    f"{job.elapsed():.2f} s")
+                    f"{job.elapsed():.2f} s" + (f" (the records led us to wait for {job.expected})"
+                                               if job.expected is not None else ""))
         for r in job.residual or []:
             r.zero_()
         try:

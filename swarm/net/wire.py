@@ -124,6 +124,7 @@ class Channel:
         self._mid_frame = False  # a send was cancelled between the pieces of its frame
         self._reading = asyncio.Lock()  # asyncio allows one reader per stream: frames and `drain` take turns
         self.peer_failed = False  # the peer sent FAIL: it closes once we do, so draining it waits for nothing
+        self.on_first_frame: Callable[[], None] | None = None  # called once the frame under `deadline` is whole
 
     def count_into(self, traffic: Traffic) -> None:
         """From now on count this channel's bytes (and those so far) in `traffic`."""
@@ -150,10 +151,13 @@ class Channel:
         deadline, self.deadline = self.deadline, None
         try:
             async with asyncio.timeout_at(deadline):
-                return await self._recv(max_bytes)
+                frame = await self._recv(max_bytes)
         except TimeoutError:
             raise Trickled(f"{self.peer} sent {self._partial} bytes of its first frame, a few at a time, and not "
                            f"all of it within {FIRST_FRAME_STALLS} x {self.stall:g} s (a trickle)") from None
+        if self.on_first_frame is not None:
+            self.on_first_frame()
+        return frame
 
     async def _recv(self, max_bytes: int) -> tuple[Kind, bytearray]:
         async with self._reading:  # a whole frame: `drain` (bounded) waits for its end
@@ -271,18 +275,26 @@ Handler = Callable[[Channel], Awaitable[None]]
 async def serve(p2p: P2P, name: str, stall: float, handler: Handler, access: Access | None = None) -> None:
     """Register `handler(channel)` for incoming streams named `name`; the channel is closed after it returns.
     Before a byte is read: a stream over its peer's caps (`limits.streams_of(p2p)`, shared by every handler
-    on `p2p`) or from a peer `access` refuses gets FAIL and is closed; its first frame must then be whole
-    within FIRST_FRAME_STALLS x `stall` (a trickler is charged an offense)."""
+    on `p2p`; a stream still waiting for its first frame may give way to it) or from a peer `access` refuses
+    gets FAIL and is closed; its first frame must then be whole within FIRST_FRAME_STALLS x `stall` (a
+    trickler is charged an offense)."""
     streams = streams_of(p2p)
 
     async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         channel = Channel(reader, writer, info.peer_id, stall)
-        over = streams.take(info.peer_id)
-        if over is not None:
+
+        def evict() -> None:  # a newer stream took this one's place before its first frame came (limits.Streams)
             if access is not None:
-                access.note("streams", info.peer_id, over)
-            await channel.fail(over)
+                access.note("streams", info.peer_id, f"{info.peer_id}: a stream of {name} that sent no first frame "
+                                                      f"gave way to a newer one")
+            channel.close()
+        ticket = streams.take(info.peer_id, evict)
+        if isinstance(ticket, str):
+            if access is not None:
+                access.note("streams", info.peer_id, ticket)
+            await channel.fail(ticket)
             return channel.close()
+        channel.on_first_frame = lambda: streams.arrived(ticket)
         try:
             if access is not None and not access.admits(info.peer_id):
                 # FAIL, then read until the peer closes: no EOF of ours (`refuse`), on which the daemon closes the
@@ -301,7 +313,7 @@ async def serve(p2p: P2P, name: str, stall: float, handler: Handler, access: Acc
         except asyncio.CancelledError:  # this peer is shutting down; the stream ends with it
             pass
         finally:
-            streams.release(info.peer_id)
+            streams.release(ticket)
             channel.close()
 
     await p2p.add_binary_stream_handler(name, on_stream)

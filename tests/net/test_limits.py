@@ -35,15 +35,44 @@ STALL = 0.3
 
 def test_stream_caps_count_per_peer_and_in_total():
     streams = limits.Streams(total=3, per_peer=2)
-    assert streams.take("a") is None and streams.take("a") is None
+    a1, a2 = streams.take("a"), streams.take("a")
+    for ticket in (a1, a2):
+        streams.arrived(ticket)
     assert "the most one peer may (2)" in streams.take("a")
-    assert streams.take("b") is None
+    b = streams.take("b")
+    streams.arrived(b)
     assert "the most it takes (3)" in streams.take("c")
-    streams.release("a")
-    assert streams.take("c") is None and streams.open == 3
-    for peer in ("a", "b", "c"):
-        streams.release(peer)
-    assert streams.open == 0 and not streams.by_peer
+    streams.release(a1)
+    streams.release(a1)  # a second release of one stream counts nothing
+    c = streams.take("c")
+    assert isinstance(c, limits.Ticket) and streams.open == 3
+    for ticket in (a2, b, c):
+        streams.release(ticket)
+    assert streams.open == 0 and not streams.by_peer and not streams.waiting
+
+
+@pytest.mark.parametrize("held, new, evicted", [
+    # held: (peer, whether its first frame came) in the order they came; new: the peer of the next stream
+    ([("a", True), ("a", False), ("a", False)], "a", 2),  # over a's cap: a's newest silent stream gives way
+    ([("a", True), ("a", True), ("a", False)], "a", 2),
+    ([("a", True), ("a", True), ("a", True)], "a", None),  # none silent: refused
+    ([("a", False), ("b", False), ("c", False), ("b", True), ("c", True)], "d", 0),  # over the total: the oldest
+    ([("a", True), ("b", False), ("c", False), ("b", True), ("c", True)], "d", 1),
+    ([("a", True), ("b", True), ("c", True), ("b", True), ("c", True)], "d", None),
+    ([("b", False), ("a", True), ("a", True), ("a", True)], "a", None),  # another peer's silence is not a's room
+])
+def test_a_stream_over_a_cap_takes_the_place_of_one_that_sent_no_first_frame(held, new, evicted):
+    streams, ended = limits.Streams(total=5, per_peer=3), []
+    tickets = [streams.take(peer, lambda i=i: ended.append(i)) for i, (peer, _) in enumerate(held)]
+    for ticket, (_, arrived) in zip(tickets, held):
+        if arrived:
+            streams.arrived(ticket)
+    taken = streams.take(new)
+    if evicted is None:
+        assert isinstance(taken, str) and ended == [] and streams.open == len(held)
+    else:
+        assert isinstance(taken, limits.Ticket) and ended == [evicted] and streams.open == len(held)
+        assert not tickets[evicted].open and streams.by_peer[new] >= 1
 
 
 @pytest.mark.timeout(30)
@@ -130,6 +159,37 @@ def test_a_trickling_peer_holds_few_streams_and_is_named_and_banned():
         named = {e["event"]: e["what"] for e in access.events if e["peer_id"] == str(attacker.peer_id)}
         assert "a trickle" in named["offense"] and "streams" in named
         assert handled == [honest.peer_id]  # the attacker's HELLOs never got through; the honest one did
+        await net.close()
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_a_trickler_s_own_hello_gets_through_its_full_cap():
+    """A peer that holds its cap of streams at a groupmate, each still short of its first frame, and then opens
+    the stream its all-reduce needs (HELLO in one write): that stream is served, in place of the newest silent
+    one (noted as an event). When it was refused instead, the
+    trickler's groups failed and its code blamed the groupmates that refused it (the hostile table's trickle
+    row: an honest peer left out of a round)."""
+    async def main():
+        net, access = LoopbackNet(), Access()
+        victim, handled = await _victim(net, access, ["ar"])
+        peer = net.p2p()
+        streams = limits.streams_of(victim)
+        silent = [await Channel.open(peer, victim.peer_id, "ar", STALL) for _ in range(limits.MAX_STREAMS_PER_PEER)]
+        for channel in silent:
+            channel.writer.write(HEADER.pack(Kind.HELLO, 64))  # a header, and never the 64 bytes it announced
+        while streams.by_peer[str(peer.peer_id)] < limits.MAX_STREAMS_PER_PEER:
+            await asyncio.sleep(0.01)
+        real = await Channel.open(peer, victim.peer_id, "ar", STALL)
+        await real.send_control(Kind.HELLO, {})
+        start = time.monotonic()
+        while not handled and time.monotonic() - start < 5:
+            await asyncio.sleep(0.01)
+        assert handled == [peer.peer_id]
+        named = [e["what"] for e in access.events if e["peer_id"] == str(peer.peer_id)]
+        assert any("gave way to a newer one" in what for what in named), named
+        for channel in [*silent, real]:
+            channel.close()
         await net.close()
     asyncio.run(main())
 
