@@ -36,6 +36,7 @@ def run_swarm(job: dict) -> list[dict]:
     from swarm.config import SwarmConfig
     from swarm.diloco import PseudoGradient
     from swarm.net.dht import start_dht
+    from swarm.net.identity import load_identity
     from swarm.net.peer import SwarmAverager
 
     n = job["peers"]
@@ -43,8 +44,9 @@ def run_swarm(job: dict) -> list[dict]:
                       target_group_size=n, min_group_size=n, matchmaking_time=30.0, request_timeout=3.0,
                       stall_timeout=job["timeout"], bootstrap_timeout=60.0)
     fingerprint = f"bench-{job['compression']}"
-    dht = start_dht(cfg, fingerprint=fingerprint)
-    averager = SwarmAverager(cfg, dht, fingerprint, job["name"])
+    identity = load_identity(None)
+    dht = start_dht(cfg, identity, fingerprint=fingerprint)
+    averager = SwarmAverager(cfg, dht, identity, fingerprint, job["name"])
     timings, run = [], averager.allreduce.run
 
     async def timed(*args):
