@@ -34,14 +34,18 @@ SKIPPED = ("50M x 8 peers: 8 processes each holding several copies of a 200 MB v
            "peers only, to fit the suite's 30 minutes")
 
 
-def launch(mode: str, comp: str, n: int, sizes: list[int], maddrs: list[str], tmp: Path, timeout: float) -> list:
-    d = tmp / f"{mode}-{comp}-{n}"
+def launch(mode: str, comp: str, n: int, sizes: list[int], maddrs: list[str], tmp: Path, timeout: float,
+           extra: dict | None = None, host=lambda i: "127.0.0.1", prefix=lambda i: [], tag: str = "") -> list:
+    """Run `n` peer processes (bench/arpeer.py) through `sizes`; `extra`: more job fields (swarm's `data_plane`);
+    peer i listens on `host(i + 1)` and runs under `prefix(i + 1)` (a network namespace, bench/linkspeed.py)."""
+    d = tmp / f"{mode}-{comp}-{n}{'-' + tag if tag else ''}"
     d.mkdir()
     procs = []
     for i in range(n):
         job = dict(mode=mode, compression=comp, peers=n, sizes=sizes, initial_peers=maddrs, name=f"p{i}", seed=i,
-                   dir=str(d), run_id=f"bench-ar-{mode}-{comp}-{n}-{int(time.time())}", timeout=timeout)
-        procs.append(spawn(["-m", "bench.arpeer", json.dumps(job)], d / f"p{i}.log"))
+                   dir=str(d), run_id=f"bench-ar-{mode}-{comp}-{n}-{int(time.time())}", timeout=timeout,
+                   host=host(i + 1), **(extra or {}))
+        procs.append(spawn(["-m", "bench.arpeer", json.dumps(job)], d / f"p{i}.log", prefix(i + 1) or None))
     steps = [str(k) for k in range(len(sizes))] + [str(len(sizes))]  # the sizes, then "all done"
     if mode == "hivemind":  # one averager per size: nobody shuts theirs down before everybody finished
         steps = [s for k in range(len(sizes)) for s in (str(k), f"{k}.done")] + [str(len(sizes))]

@@ -42,7 +42,8 @@ def run_swarm(job: dict) -> list[dict]:
     n = job["peers"]
     cfg = SwarmConfig(initial_peers=job["initial_peers"], run_id=job["run_id"], compression=job["compression"],
                       target_group_size=n, min_group_size=n, matchmaking_time=30.0, request_timeout=3.0,
-                      stall_timeout=job["timeout"], bootstrap_timeout=60.0)
+                      stall_timeout=job["timeout"], bootstrap_timeout=60.0, data_plane=job.get("data_plane", True),
+                      host_maddrs=[f"/ip4/{job.get('host', '127.0.0.1')}/tcp/0"])
     fingerprint = f"bench-{job['compression']}"
     identity = load_identity(None)
     dht = start_dht(cfg, identity, fingerprint=fingerprint)
@@ -61,9 +62,10 @@ def run_swarm(job: dict) -> list[dict]:
     try:
         for k, numel in enumerate(job["sizes"]):
             grad = PseudoGradient([vector(job, numel)], [torch.zeros(numel)])
+            into = torch.empty(numel).fill_(0.0)  # touched: a peer's outer gradient buffers persist across rounds
             barrier(job, k)
             start = time.perf_counter()
-            outcome = averager.average(k, grad, 1, [torch.empty(numel)])
+            outcome = averager.average(k, grad, 1, [into])
             wall = time.perf_counter() - start
             out.append({"numel": numel, "call_s": wall, "allreduce_s": timings[-1] if timings else None,
                         "ok": outcome.averaged is not None and outcome.group_size == n,

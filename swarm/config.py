@@ -137,6 +137,13 @@ class SwarmConfig:
     TCP port to open in a firewall). /ip4/127.0.0.1/tcp/0 keeps a peer to this machine."""
     announce_maddrs: list[str] = field(default_factory=list)
     """Multiaddrs others dial this peer at (`--announce-ip IP`); default: the addresses it listens on."""
+    data_plane: bool = True
+    """Move the all-reduce's bulk bytes to a direct TCP connection (sealed with AES-GCM, keyed over libp2p) to each
+    groupmate that can be dialed, falling back to libp2p where it cannot (swarm/net/dataplane.py); it spares the
+    bytes two trips through the p2pd daemons (bench/results/README.md, §12). False: everything over libp2p."""
+    data_port: int = 0
+    """The TCP port of the data plane (0: any free port): the second port to open in a firewall; a groupmate that
+    cannot reach it falls back to libp2p (slower, nothing lost)."""
     identity: Optional[str] = None
     """This peer's key file (created if missing): its peer id and the signature on its DHT records
     (swarm/net/identity.py). None: `identity.key` in the peer's folder, so that a restart keeps its peer id and
@@ -278,7 +285,7 @@ PER_PEER_KEYS = frozenset({
     "inner.micro_batch_size", "inner.activation_checkpointing", "inner.parallel",
     "data.shard", "data.cache_dir", "data.prepare_workers", "model.pretrained",
     "swarm.identity", "swarm.host_maddrs", "swarm.announce_maddrs", "swarm.client_mode", "swarm.initial_peers",
-    "swarm.bootstrap_timeout",
+    "swarm.bootstrap_timeout", "swarm.data_plane", "swarm.data_port",
     "checkpoint", "logging", "faults",
 })
 """Keys (dotted, or a whole section) that are this peer's own business: where and how fast it computes, its

@@ -175,6 +175,8 @@ def validate(cfg: Config) -> None:
     for name in ("bootstrap_timeout", "matchmaking_time", "stall_timeout", "progress_interval"):
         if not getattr(s, name) > 0:
             raise ConfigError(f"swarm.{name} must be a positive number of seconds")
+    if not 0 <= s.data_port < 65536:
+        raise ConfigError(f"swarm.data_port {s.data_port} is not a TCP port (0: any free port)")
     if (s.auth == "allowlist") != bool(s.allowed_peers):
         raise ConfigError("swarm.allowed_peers (peer ids) and swarm.auth: allowlist go together")
     for peer in s.allowed_peers:

@@ -82,6 +82,8 @@ def test_overrides_in_both_forms():
     (["--swarm.aggregation", "median"], "swarm.aggregation"),
     (["--swarm.verify_parts", "2"], "swarm.verify_parts"),
     (["--swarm.client_mode", "maybe"], "swarm.client_mode"),
+    (["--swarm.data_port", "70000"], "swarm.data_port 70000 is not a TCP port"),
+    (["--swarm.data_plane", "tcp"], "swarm.data_plane"),
     (["--swarm.allreduce_timeout", "60"], "swarm.allreduce_timeout' was replaced by swarm.stall_timeout"),
 ])
 def test_bad_overrides_name_the_culprit(overrides, culprit):

@@ -6,6 +6,8 @@ everything below serves it. By concern:
 Transport
 - `dht.py`: starting the hivemind DHT (validated addresses, a bounded bootstrap).
 - `wire.py`: framed messages over raw libp2p streams; bounded memory, waits that end.
+- `dataplane.py`: the all-reduce's bulk bytes on direct TCP between groupmates, sealed (AES-GCM) with a key
+  given over libp2p; libp2p where a groupmate cannot be dialed.
 - `codec.py`: how a run of the pseudo-gradient travels as bytes (`swarm.compression`: none, fp16, int8, int4).
 - `budget.py`: how long a transfer may take, from its bytes and a floor on bandwidth; the chunk size.
 - `limits.py`: caps on the incoming streams one peer holds (per remote peer, in total); the open-file limit.

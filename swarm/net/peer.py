@@ -54,6 +54,7 @@ from swarm.net.access import Access
 from swarm.net.allreduce import CONCLUSIVE, PROOF, AllReduce, AllReduceFailed, Contribution, Rule, WireLayout
 from swarm.net.budget import chunk_elements, round_deadline
 from swarm.net.codec import get_codec
+from swarm.net.dataplane import DataPlane, hosts_of
 from swarm.net.dht import allowed_peers
 from swarm.net.grouping import Offenses, OtherBase, adopted, agreed_chunk, clients, dialable, on_majority_base, without
 from swarm.net.hostile import Reach, hooks_for
@@ -105,8 +106,10 @@ class SwarmAverager(Averager):
         try:
             self.p2p = self.call(dht.replicate_p2p(), cfg.bootstrap_timeout)
             name = lambda what: schema.handler_name(cfg.run_id, fingerprint, what)  # noqa: E731
+            plane = DataPlane(None if cfg.client_mode else hosts_of(cfg.host_maddrs), cfg.data_port,
+                              cfg.stall_timeout) if cfg.data_plane else None  # nobody dials a client
             self.allreduce = AllReduce(self.p2p, name("ar"), cfg.stall_timeout, cfg.min_bandwidth, self._pool,
-                                       Rule.of(cfg), self.access, self.hooks, identity)
+                                       Rule.of(cfg), self.access, self.hooks, identity, plane)
             self.server = StateServer(self.p2p, name("state"), cfg.stall_timeout, self._pool, self.access,
                                       self.hooks)
             # our records' subkey is our owner marker: we sign them

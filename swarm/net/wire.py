@@ -162,12 +162,13 @@ class Channel:
     async def _recv(self, max_bytes: int) -> tuple[Kind, bytearray]:
         async with self._reading:  # a whole frame: `drain` (bounded) waits for its end
             self._partial = 0
-            kind, length = HEADER.unpack(await self._read(HEADER.size))
+            header = bytes(await self._read(HEADER.size))
+            kind, length = HEADER.unpack(header)
             if kind not in Kind._value2member_map_:
                 raise ProtocolError(f"{self.peer} sent a frame of unknown kind {kind}")
-            if length > max_bytes:
+            if length > self._room(max_bytes):
                 raise ProtocolError(f"{self.peer} announced {length} bytes where at most {max_bytes} fit")
-            payload = await self._read(length)
+            payload = self._open(header, length, await self._read(length))
         if kind == Kind.FAIL:
             self.peer_failed = True
             raise parse_fail(self.peer, payload)
@@ -193,10 +194,10 @@ class Channel:
         return value
 
     async def send(self, kind: Kind, payload: bytes | bytearray | memoryview = b"") -> None:
-        view = memoryview(payload).cast("B")
+        header, view = self._frame(kind, memoryview(payload).cast("B"))
         try:
             async with asyncio.timeout(self.stall) as watchdog:
-                self.writer.write(HEADER.pack(kind, len(view)))
+                self.writer.write(header)
                 for offset in range(0, max(len(view), 1), PIECE):
                     self.writer.write(view[offset:offset + PIECE])
                     self._mid_frame = offset + PIECE < len(view)
@@ -206,7 +207,20 @@ class Channel:
             raise Stalled(f"{self.peer} took no byte for {self.stall:g} s (swarm.stall_timeout)") from None
         except (ConnectionError, RuntimeError) as e:  # RuntimeError: "unable to perform operation on closed ..."
             raise Closed(f"stream to {self.peer} closed: {e}") from None
-        self.traffic.sent += HEADER.size + len(view)
+        self.traffic.sent += len(header) + len(view)
+
+    # How a frame travels: as is here; sealed on the data plane (dataplane.SealedChannel).
+    def _frame(self, kind: Kind, view: memoryview) -> tuple[bytes, memoryview]:
+        """The header and the bytes that follow it on the wire, for a payload `view`."""
+        return HEADER.pack(kind, len(view)), view
+
+    def _room(self, max_bytes: int) -> int:
+        """The most bytes a frame may announce for a payload of at most `max_bytes`."""
+        return max_bytes
+
+    def _open(self, header: bytes, length: int, payload: bytearray) -> bytearray:
+        """The payload of a frame read whole (`header`, then `length` bytes)."""
+        return payload
 
     async def send_control(self, kind: Kind, value: dict[str, Any]) -> None:
         await self.send(kind, MSGPackSerializer.dumps(value))

@@ -111,16 +111,20 @@ def run_group(dhts, vectors, weights, *, codec="none", stall=10.0, skip=(), grou
 
 
 @contextlib.asynccontextmanager
-async def all_reduces(dhts, stall=10.0, rule=None, hooks=None):
+async def all_reduces(dhts, stall=10.0, rule=None, hooks=None, planes=None):
     """An `AllReduce` per DHT (on a replica of its P2P), started, with `hooks` ({member: {attribute: value}})
-    set; yields (p2ps, services) and stops them all on exit."""
+    set; yields (p2ps, services) and stops them all on exit. `planes`: each member's `DataPlane` (default: one
+    on 127.0.0.1 each, as a peer's default; None in the list: libp2p only)."""
     import concurrent.futures
 
     from swarm.net.allreduce import AllReduce
+    from swarm.net.dataplane import DataPlane
 
     p2ps = [await dht.replicate_p2p() for dht in dhts]
     pool = concurrent.futures.ThreadPoolExecutor(2)
-    services = [AllReduce(p2p, "unit", stall, 1e6, pool, rule, identity=dht.identity) for p2p, dht in zip(p2ps, dhts)]
+    planes = planes if planes is not None else [DataPlane(["127.0.0.1"], 0, stall) for _ in dhts]
+    services = [AllReduce(p2p, "unit", stall, 1e6, pool, rule, identity=dht.identity, data_plane=plane)
+                for p2p, dht, plane in zip(p2ps, dhts, planes)]
     for i, hook in (hooks or {}).items():
         for name, fn in hook.items():
             setattr(services[i], name, fn)

@@ -102,3 +102,23 @@ def test_stable_rounds_scalars():
 ])
 def test_outsized_names_claims_over_the_median(samples, named):
     assert robust.outsized(samples) == named
+
+
+def reference_trimmed_mean(xs, weights):
+    """The definition, by a stable sort of each coordinate's values."""
+    n, t = len(xs), trim_count(len(xs))
+    values, order = torch.sort(torch.stack(xs), dim=0, stable=True)
+    w = torch.tensor(weights, dtype=torch.float64)[order]
+    kept = slice(t, n - t)
+    return (values[kept].double() * w[kept]).sum(0) / w[kept].sum(0)
+
+
+@pytest.mark.parametrize("n", [3, 4, 5, 8, 10, 16, 17])
+@pytest.mark.parametrize("equal", [True, False])
+def test_trimmed_mean_without_a_sort_is_the_sorted_definition(n, equal):
+    g = torch.Generator().manual_seed(n)
+    xs = [torch.randint(-3, 4, (5000,), generator=g).float() for _ in range(n)]  # many ties
+    xs[0][:10] = 1e30  # an outlier, trimmed
+    weights = [1.0] * n if equal else [float(i % 3 + 1) for i in range(n)]
+    got = robust.trimmed_mean(xs, weights)
+    assert torch.allclose(got.double(), reference_trimmed_mean(xs, weights), rtol=1e-6, atol=1e-6)

@@ -8,6 +8,7 @@ that are bit-identical on every member (allreduce.py has the protocol).
 - robust.py: how an owner reduces a chunk (`Rule`: the weighted mean or a bounded-influence rule).
 - agree.py: one result per part: members compare the owners' signed digests before returning.
 - audit.py: `swarm.verify_parts`, every member recomputing one chunk of every other part.
+- hashing.py: the one hash of the all-reduce's bytes (BLAKE3): chunk, result and evidence digests.
 - evidence.py: who lied when an audit disagrees, by the member's signature over what it pushed.
 - repair.py: a part taken from a groupmate when its owner was lost.
 - hooks.py: where a peer's own part can be changed from outside (`AllReduceHooks`: hostile peers, tests).

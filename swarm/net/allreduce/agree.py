@@ -4,9 +4,9 @@ An owner could send different averages of its part to different members (a lying
 well-formed average, and they would commit different models. So, with every member's public key known (its
 signed matchmaking meta):
 
-1. After the last RESULT of its part to member i, owner j sends DIGEST: a BLAKE2b digest of exactly the bytes
-   it sent i, and its signature over (group id, j, digest). Member i checks it against the bytes it received:
-   a digest or signature that does not match is the owner's own doing (PROOF).
+1. After the last RESULT of its part to member i, owner j sends DIGEST: a BLAKE3 digest (hashing.py) of exactly
+   the bytes it sent i, and its signature over (group id, j, digest). Member i checks it against the bytes it
+   received: a digest or signature that does not match is the owner's own doing (PROOF).
 2. A member holding the whole average sends DONE to every owner with the n signed digests it holds (n hashes,
    not n vectors: ~400 bytes each).
 3. Owner j compares every member's digests with its own: two digests of one part, both signed by its owner,
@@ -37,7 +37,7 @@ from swarm.net.wire import Channel, Kind
 
 logger = logging.getLogger("swarm.net.allreduce")  # one log for the whole all-reduce
 
-DOMAIN = b"swarm part digest v1\0"
+DOMAIN = b"swarm part digest v2\0"  # v2: BLAKE3 digests (hashing.py)
 ENTRY_BYTES = 1024  # room for one (part, digest, signature) in a DONE; an RSA-4096 signature is 512 bytes
 
 

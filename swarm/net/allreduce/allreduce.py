@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hashlib
 import logging
 import math
 from typing import Callable, Optional, Sequence
@@ -41,8 +40,9 @@ from typing import Callable, Optional, Sequence
 import torch
 from hivemind.p2p import P2P, PeerID
 
+from swarm.net import dataplane
 from swarm.net.access import Access
-from swarm.net.allreduce import agree, audit, evidence
+from swarm.net.allreduce import agree, audit, evidence, hashing
 from swarm.net.allreduce.groupstate import (
     CONCLUSIVE,
     PROOF,
@@ -61,8 +61,9 @@ from swarm.net.allreduce.robust import Rule, reduce_chunk
 from swarm.net.allreduce.slots import GroupSlots
 from swarm.net.budget import transfer_deadline
 from swarm.net.codec import CodecError
+from swarm.net.dataplane import DataPlane, hosts_of
 from swarm.net.identity import Identity
-from swarm.net.wire import Channel, Kind, PeerFailed, ProtocolError, Traffic, WireError, serve
+from swarm.net.wire import Channel, Kind, PeerFailed, ProtocolError, Stalled, Traffic, WireError, serve
 from swarm.tensors import all_finite
 
 logger = logging.getLogger(__name__)
@@ -77,15 +78,20 @@ class AllReduce(GroupSlots):
 
     def __init__(self, p2p: P2P, name: str, stall: float, min_bandwidth: float,
                  pool: concurrent.futures.Executor, rule: Optional[Rule] = None, access: Optional[Access] = None,
-                 hooks: Optional[AllReduceHooks] = None, identity: Optional[Identity] = None):
-        """`identity`: our key, to sign our part's digests (agree.py: one result per part); None: no agreement."""
+                 hooks: Optional[AllReduceHooks] = None, identity: Optional[Identity] = None,
+                 data_plane: Optional[DataPlane] = None):
+        """`identity`: our key, to sign our part's digests (agree.py: one result per part); None: no agreement.
+        `data_plane`: move the bulk bytes to direct TCP where groupmates can dial each other (dataplane.py)."""
         super().__init__(p2p, name, stall, pool, access or Access())
-        self.identity = identity
+        self.identity, self.data_plane = identity, data_plane
+        self._undialable: dict[PeerID, float] = {}  # owners we could not dial: until when we skip the data plane
         self.min_bandwidth, self.rule, self.hooks = min_bandwidth, rule or Rule(), hooks or AllReduceHooks()
         # fault injection from outside (`faults.kill_phase`): after a part was pushed
         self.on_pushed: Optional[Callable[[], None]] = None
 
     async def start(self) -> None:
+        if self.data_plane is not None:
+            await self.data_plane.start(hosts_of(await self.p2p.get_visible_maddrs()))
         await serve(self.p2p, self.name, self.stall, self._serve_contributions, self.access)
         await serve(self.p2p, f"{self.name}_repair", self.stall, lambda channel: serve_repair(self, channel),
                     self.access)
@@ -95,6 +101,8 @@ class AllReduce(GroupSlots):
     async def stop(self) -> None:
         for name in (self.name, f"{self.name}_repair", f"{self.name}_audit"):
             await self.p2p.remove_binary_stream_handler(name)
+        if self.data_plane is not None:
+            await self.data_plane.stop()
 
     def deadline(self, layout: WireLayout, me: int) -> float:
         """How long one all-reduce may take: its bytes (and the audit's) at swarm.min_bandwidth, plus stall."""
@@ -180,9 +188,7 @@ class AllReduce(GroupSlots):
         """Push our chunks of part j to its owner and take its averages back; repair the part if the owner is lost."""
         channel = None
         try:
-            channel = group.channels[j] = await Channel.open(self.p2p, group.members[j], self.name, self.stall,
-                                                             group.traffic)
-            await channel.send_control(Kind.HELLO, {"group": group.group_id, "weight": group.weights[group.me]})
+            channel = group.channels[j] = await self._open(group, j)
             await together(self._push(group, j, channel), self._take_results(group, j, channel))
         except PeerFailed as e:
             raise AllReduceFailed(f"part {j} failed at its owner: {e}", e.culprit, TOLD) from None
@@ -204,6 +210,31 @@ class AllReduce(GroupSlots):
             channel.close()
         group.agreed.add(j)
         await group.notify()
+
+    async def _open(self, group: GroupState, j: int) -> Channel:
+        """Our stream to the owner of part j, HELLO sent: on the data plane if it offers one we can dial."""
+        peer, now = group.members[j], asyncio.get_running_loop().time()
+        channel = await Channel.open(self.p2p, peer, self.name, self.stall, group.traffic)
+        asks = self.data_plane is not None and self._undialable.get(peer, 0.0) <= now
+        await channel.send_control(Kind.HELLO, {"group": group.group_id, "weight": group.weights[group.me],
+                                                **({"direct": True} if asks else {})})
+        if not asks:
+            return channel
+        try:
+            offer = dataplane.parse_offer(await channel.recv_control())
+        except ValueError as e:
+            raise ProtocolError(f"{peer}: {e}") from None
+        if offer is None:  # it runs no data plane
+            return channel
+        direct = await dataplane.dial(*offer, peer, self.stall, group.traffic)
+        if direct is None:
+            logger.info(f"all-reduce: cannot reach {peer} on its data plane; its part goes over libp2p, and so will "
+                        f"the next {dataplane.UNDIALABLE_FOR:.0f} s of parts (open swarm.data_port to it?)")
+            self._undialable[peer] = now + dataplane.UNDIALABLE_FOR
+            await channel.send_control(Kind.HELLO, {"direct": False})
+            return channel
+        channel.close()  # the owner switched too: it confirmed on the connection
+        return direct
 
     async def _push(self, group: GroupState, j: int, channel: Channel) -> None:
         signs = self.rule.verify and group.agreeing  # evidence.py: what we sent, signed, settles an audit
@@ -321,21 +352,57 @@ class AllReduce(GroupSlots):
             logger.warning(f"all-reduce: rejected the contribution of {channel.peer}: bad weight {weight!r}")
             await group.fail(reason, channel.peer)
             return await channel.refuse(reason, channel.peer)
-        sending = asyncio.ensure_future(self._send_results(group, i, channel))
+        stream, sending = channel, None
         try:
-            await self._take_contributions(group, i, channel)
-            await sending
-            if group.agreeing and i in group.vectors:
-                await agree.answer(group, channel)
+            try:
+                if hello.get("direct") is True:
+                    channel = await self._direct(stream)
+                    channel.count_into(group.traffic)
+                sending = asyncio.ensure_future(self._send_results(group, i, channel))
+                await self._take_contributions(group, i, channel)
+                await sending
+                if group.agreeing and i in group.vectors:
+                    await agree.answer(group, channel)
+            finally:
+                if sending is not None:
+                    sending.cancel()
+                group.delivered[i] = math.inf
+                group.settled.add(i)
+                if i not in group.vectors:
+                    group.gone.add(i)
+                await group.notify()
+            if group.failure is not None:  # our FAIL must reach it before we close (Channel.refuse)
+                await channel.drain()
         finally:
-            sending.cancel()
-            group.delivered[i] = math.inf
-            group.settled.add(i)
-            if i not in group.vectors:
-                group.gone.add(i)
-            await group.notify()
-        if group.failure is not None:  # our FAIL must reach it before we close (Channel.refuse)
-            await channel.drain()
+            if channel is not stream:  # the data plane's connection (`serve` closes the stream)
+                channel.close()
+
+    async def _direct(self, channel: Channel) -> Channel:
+        """A member asked for the data plane: offer it, and return the channel the exchange runs on, the member's
+        connection or (it could not dial) this stream."""
+        if self.data_plane is None or not self.data_plane.serves:
+            await channel.send_control(Kind.HELLO, {})
+            return channel
+        offer, ticket = self.data_plane.offer(channel.peer)
+        await channel.send_control(Kind.HELLO, offer)
+        answer = asyncio.ensure_future(channel.recv_control())
+        try:
+            done, _ = await asyncio.wait({ticket.taken, answer}, timeout=self.stall,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.data_plane.withdraw(offer["ticket"])
+        if answer in done:  # the member's own word: it stays on this stream
+            if ticket.taken.done() and not ticket.taken.cancelled():
+                ticket.taken.result().close()
+            if answer.result().get("direct") is not False:
+                raise ProtocolError(f"{channel.peer} sent a second HELLO that is not a data-plane refusal")
+            return channel
+        answer.cancel()
+        if not done:
+            raise Stalled(f"{channel.peer} neither dialed our data plane nor declined it within {self.stall:g} s")
+        direct = ticket.taken.result()
+        await direct.send(Kind.HELLO)  # we switched: the member may leave the stream
+        return direct
 
     async def _take_contributions(self, group: GroupState, i: int, channel: Channel) -> None:
         chunks = group.chunks[group.me]
@@ -383,7 +450,7 @@ class AllReduce(GroupSlots):
     async def _send_results(self, group: GroupState, i: int, channel: Channel) -> None:
         chunks = group.chunks[group.me]
         try:
-            sent = hashlib.blake2b(digest_size=16)  # of what we send member i (agree.py)
+            sent = hashing.Running()  # of what we send member i (agree.py)
             for k in range(len(chunks)):
                 await group.wait_for(lambda k=k: group.have[group.me] > k, None, "results")
                 await self.hooks.sending_result(group, i, k, channel)

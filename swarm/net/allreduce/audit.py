@@ -4,7 +4,7 @@ The reduce is deterministic (robust.py): the same contributions and shares give 
 member. So an owner cannot return a wrong average for a chunk without every member that recomputes that
 chunk noticing:
 
-1. With each result chunk k the owner sends, before the average, a 16-byte BLAKE2b digest of every
+1. With each result chunk k the owner sends, before the average, a 16-byte BLAKE3 digest (hashing.py) of every
    member's contribution to k as it received it (its commitment, made before anyone says which chunk it
    checks).
 2. Member m picked, when the group formed, one chunk of each other part at random (`secrets`). Once it holds
@@ -42,7 +42,6 @@ unchecked, logged); and a CPU whose float rounding differs (a false alarm, the r
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import secrets
 from typing import Callable, Optional
@@ -51,6 +50,7 @@ from hivemind.p2p import PeerID
 
 from swarm.net.allreduce import evidence
 from swarm.net.allreduce.groupstate import TOLD, AllReduceFailed, GroupState
+from swarm.net.allreduce.hashing import DIGEST, digest
 from swarm.net.allreduce.layout import gather
 from swarm.net.allreduce.robust import reduce_chunk
 from swarm.net.allreduce.slots import GroupSlots
@@ -60,11 +60,7 @@ from swarm.tensors import all_finite
 
 logger = logging.getLogger("swarm.net.allreduce")  # one log for the whole all-reduce
 
-DIGEST = 16
-
-
-def digest(payload: bytes | bytearray) -> bytes:
-    return hashlib.blake2b(payload, digest_size=DIGEST).digest()
+__all__ = ["DIGEST", "digest"]  # the chunk digests the audit commits to, for the all-reduce
 
 
 def start(slots: GroupSlots, group: GroupState, tasks: list) -> Callable[[], bool]:

@@ -20,21 +20,20 @@ each owner, 16 bytes per chunk kept at the owner; nothing else moves unless an a
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from typing import Optional
 
 from swarm.net.allreduce.agree import digest_frame, parse_digest, signature_verifies
 from swarm.net.allreduce.groupstate import PROOF, SEEN, AllReduceFailed, GroupState
+from swarm.net.allreduce.hashing import DIGEST, digest
 from swarm.net.identity import Identity
 from swarm.net.wire import Channel, Kind, WireError
 
-DOMAIN = b"swarm contribution v1\0"
-DIGEST = 16  # audit.DIGEST: a BLAKE2b digest of one chunk's bytes
+DOMAIN = b"swarm contribution v2\0"  # v2: BLAKE3 digests (hashing.py)
 
 
 def summary(digests: bytes) -> bytes:
-    return hashlib.blake2b(digests, digest_size=32).digest()
+    return digest(digests, 32)
 
 
 def signed_bytes(group_id: bytes, part: int, digests: bytes) -> bytes:

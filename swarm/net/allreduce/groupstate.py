@@ -16,6 +16,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from swarm.errors import SwarmError
+from swarm.net.allreduce import hashing
 from swarm.net.allreduce.layout import WireLayout
 from swarm.net.allreduce.robust import Rule, cap_weights
 from swarm.net.wire import Traffic
@@ -145,7 +146,7 @@ class GroupState:
         # one result per part (agree.py), with every member's public key: off without them
         self.keys = list(keys) if keys is not None else None
         self.agreeing = keys is not None
-        self.hashes = {j: hashlib.blake2b(digest_size=16) for j in range(n)}  # of the results we take, by part
+        self.hashes = {j: hashing.Running() for j in range(n)}  # of the results we take, by part
         self.signed: dict[int, tuple[bytes, bytes]] = {}  # part -> (its digest, its owner's signature)
         self.signatures: dict[bytes, bytes] = {}  # our signature of each digest of our part we sent
         self.vectors: dict[int, dict[int, bytes]] = {}  # member -> the digests its DONE carried, by part

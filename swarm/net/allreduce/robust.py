@@ -136,17 +136,61 @@ def trim_count(n: int) -> int:
 
 def trimmed_mean(xs: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
     """Coordinate-wise: sort the n values (stable: ties keep member order), drop `trim_count(n)` at each
-    end, weighted mean of the rest with each value's own member's weight."""
+    end, weighted mean of the rest with each value's own member's weight.
+
+    Computed without a sort along the members (torch sorts a dim of 4 at ~140 ms per 1M-element chunk, which
+    made it most of a 4-peer all-reduce's CPU): with equal weights (the usual case: members that trained
+    alike) the kept order statistics come from a network of elementwise min/max, 19-35x faster for n <= 8;
+    otherwise each member's rank comes from comparisons with the others, 3x faster. Both up to SMALL members;
+    a bigger group sorts."""
     n, t = len(xs), trim_count(len(xs))
     if t == 0:
         return weighted_mean(xs, weights)
-    values, order = torch.sort(torch.stack(list(xs)), dim=0, stable=True)
-    w = torch.tensor(list(weights), dtype=torch.float32)[order]
+    if n > SMALL:
+        values, order = torch.sort(torch.stack(list(xs)), dim=0, stable=True)
+        w = torch.tensor(list(weights), dtype=torch.float32)[order]
+        acc, den = torch.zeros_like(xs[0]), torch.zeros_like(xs[0])
+        for r in range(t, n - t):
+            acc.add_(values[r] * w[r])
+            den.add_(w[r])
+        return acc.div_(den)
+    if len(set(weights)) == 1:
+        kept = order_statistics(xs)[t:n - t]
+        acc = kept[0].clone()
+        for x in kept[1:]:
+            acc.add_(x)
+        return acc.div_(n - 2 * t)
     acc, den = torch.zeros_like(xs[0]), torch.zeros_like(xs[0])
-    for r in range(t, n - t):
-        acc.add_(values[r] * w[r])
-        den.add_(w[r])
+    for x, w, rank in zip(xs, weights, stable_ranks(xs)):
+        keep = (rank >= t) & (rank < n - t)
+        acc.add_(torch.where(keep, x, 0.0), alpha=w)
+        den.add_(keep, alpha=w)
     return acc.div_(den)
+
+
+SMALL = 16  # members up to which trimmed_mean avoids torch.sort
+
+
+def order_statistics(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The coordinate-wise order statistics of `xs`, lowest first (odd-even transposition network)."""
+    v = list(xs)
+    for step in range(len(v)):
+        for i in range(step % 2, len(v) - 1, 2):
+            v[i], v[i + 1] = torch.minimum(v[i], v[i + 1]), torch.maximum(v[i], v[i + 1])
+    return v
+
+
+def stable_ranks(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each member's coordinate-wise position in a stable ascending sort: the values below it, and the equal
+    values of members before it."""
+    ranks = []
+    for i, x in enumerate(xs):
+        rank = torch.zeros(x.shape, dtype=torch.uint8)
+        for j, y in enumerate(xs):
+            if j != i:
+                rank.add_(torch.le(y, x) if j < i else torch.lt(y, x))
+        ranks.append(rank)
+    return ranks
 
 
 def coordinate_median(xs: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,30 @@
+"""The one hash of the all-reduce's bytes: BLAKE3, cut to 16-byte digests.
+
+Every byte of a round is hashed at least twice (an owner's results, and each member's copy of them for the
+agreement: agree.py; each contribution chunk for the audit: audit.py), so the hash is on the exchange's
+critical path. BLAKE3 runs at ~7 GB/s on one core of the 2-core dev box (AVX2), BLAKE2b at ~0.95 GB/s: with
+BLAKE2b, hashing was ~39% of a 100M-parameter fp32 all-reduce's CPU (bench/results/README.md, §12).
+"""
+
+from __future__ import annotations
+
+import blake3
+
+DIGEST = 16  # bytes of a chunk's or a part's digest
+
+
+def digest(data: bytes | bytearray | memoryview, size: int = DIGEST) -> bytes:
+    return blake3.blake3(data).digest(size)
+
+
+class Running:
+    """A digest of bytes that arrive in pieces (a part's results, chunk by chunk)."""
+
+    def __init__(self) -> None:
+        self._hash = blake3.blake3()
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        self._hash.update(data)
+
+    def digest(self) -> bytes:
+        return self._hash.digest(DIGEST)
