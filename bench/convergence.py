@@ -61,16 +61,17 @@ def diloco_sim(steps: int, h: int, olr: float, tmp: Path, delay: int = 0, fragme
     return curve, time.perf_counter() - start
 
 
-def diloco_swarm(steps: int, h: int, olr: float, tmp: Path) -> dict:
+def diloco_swarm(steps: int, h: int, olr: float, tmp: Path, swarm: dict | None = None, tag: str = "") -> dict:
     """The same point as a real `swarm local` run: M processes over loopback. As in the sim, every peer runs all
     H inner steps: the straggler early stop is off (swarm.progress_interval huge, so records must outlive it too)
     and a leader waits up to 60 s for the whole group (on 2 shared cores a peer can fall more than the default
-    5 s behind)."""
+    5 s behind). `swarm`: more swarm keys (bench/quantized.py: the compression); `tag`: names its folder."""
     cfg = tiny_config(steps, h, olr, swarm={"run_id": f"bench-conv-{int(time.time())}", "progress_interval": 1e6,
                                             "progress_expiration": 1e7, "matchmaking_time": 60.0,
                                             # the sim's sample-weighted mean (the defaults bound influence)
-                                            "max_weight_share": 1.0, "clip_norm_ratio": 0.0, "aggregation": "mean"})
-    out = tmp / f"swarm-h{h}-olr{olr}"
+                                            "max_weight_share": 1.0, "clip_norm_ratio": 0.0, "aggregation": "mean",
+                                            **(swarm or {})})
+    out = tmp / f"swarm-h{h}-olr{olr}{tag}"
     path = write_config(cfg, tmp / "swarm.yaml")
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "swarm.cli", "local", "--config", str(path), "--peers", str(M),

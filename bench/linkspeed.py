@@ -151,7 +151,7 @@ def make_table(rows: list[tuple[tuple, dict]]) -> str:
             body.append(head + ["failed: " + r["error"][:60], "–", "–", f"{r['raw_mb_s']:.0f}", "–", "–", "–"])
             continue
         body.append(head + [f"{r['wire_mb']:.0f}", f"{r['allreduce_s']:.2f}", f"{r['mb_s']:.0f}",
-                            f"{r['raw_mb_s']:.0f}", f"{100 * r['mb_s'] / r['raw_mb_s']:.0f}%",
+                            f"{r['raw_mb_s']:.0f}", f"{100 * r['mb_s'] / r['raw_mb_s']:.1f}%",
                             f"{r['cpu_python_s']:.1f}", f"{r['cpu_p2pd_s']:.1f}"])
     return md_table(["link", "params", "peers", "compression", "data plane", "MB received per peer",
                      "all-reduce s (slowest)", "MB/s per peer", "raw TCP MB/s", "of raw", "CPU s python",
@@ -169,7 +169,12 @@ def run(quick: bool) -> dict:
             result = one_row(*row, Path(tmp), timeout=300.0)
             rows.append((row, result))
             print(f"  linkspeed {row}: {time.time() - start:.0f}s {json.dumps(result)}", flush=True)
-    table = make_table(rows)
-    table += ("\n\nOne try per row on this 2-core box; every peer its own process; the swarm's shipped defaults "
-              "(trimmed mean, clipping, audits, agreement). " + (__doc__.split("\n\n")[1].replace("\n", " ")))
-    return {"table": table, "rows": [{"row": list(r), **res} for r, res in rows], "timestamp": stamp()}
+    return {"table": table_with_notes(rows), "rows": [{"row": list(r), **res} for r, res in rows],
+            "timestamp": stamp()}
+
+
+def table_with_notes(rows: list[tuple[tuple, dict]]) -> str:
+    notes = " ".join(__doc__.split("\n\n")[1:3]).replace("\n", " ")
+    return (make_table(rows) + "\n\nOne try per row on this 2-core box. " + notes + " Where the time goes, and what "
+            "each change of the data plane gave: [exchange-profile.md](exchange-profile.md).")
+

@@ -27,7 +27,7 @@ import torch
 from bench.common import commit, results_dir, stamp
 
 MODULES = ["convergence", "traffic", "utilization", "overhead", "allreduce", "scale", "compression", "hostile", "data",
-           "churn", "shards", "gpu", "linkspeed"]
+           "churn", "shards", "gpu", "linkspeed", "quantized"]
 TITLES = {"convergence": "1. Convergence (DiLoCo Table 2 shape)", "traffic": "2. Traffic per round",
           "utilization": "3. Compute utilization of a real swarm",
           "overhead": "4. Overhead: swarm peer --solo vs plain PyTorch",
@@ -38,7 +38,8 @@ TITLES = {"convergence": "1. Convergence (DiLoCo Table 2 shape)", "traffic": "2.
           "churn": "9. Churn soak: peers killed -9 and restarted, newcomers, and where the finishers end",
           "shards": "10. Sharded peers (inner.parallel fsdp): peak memory per rank",
           "gpu": "11. On one GPU: the 150M recipe against plain PyTorch, and two peers sharing the GPU",
-          "linkspeed": "12. The exchange at link speed: all-reduce MB/s per peer against raw TCP"}
+          "linkspeed": "12. The exchange at link speed: all-reduce MB/s per peer against raw TCP",
+          "quantized": "13. Quantized by default: a real swarm's eval loss by compression"}
 
 
 def call(name: str, quick: bool) -> dict:
