@@ -70,6 +70,7 @@ def diloco_swarm(steps: int, h: int, olr: float, tmp: Path, swarm: dict | None =
                                             "progress_expiration": 1e7, "matchmaking_time": 60.0,
                                             # the sim's sample-weighted mean (the defaults bound influence)
                                             "max_weight_share": 1.0, "clip_norm_ratio": 0.0, "aggregation": "mean",
+                                            "compression": "none",  # the sim's exact exchange
                                             **(swarm or {})})
     out = tmp / f"swarm-h{h}-olr{olr}{tag}"
     path = write_config(cfg, tmp / "swarm.yaml")

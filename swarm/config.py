@@ -165,10 +165,11 @@ class SwarmConfig:
     needs none to dial out, and a relayed (circuit v2) connection is capped far below a round's bytes."""
     target_group_size: int = 64  # a group forms at once when this many peers are ready
     min_group_size: int = 2  # fewest peers a group needs to average (hivemind matchmaking)
-    compression: Literal["none", "fp16", "int8", "int4"] = "none"
-    """How pseudo-gradients travel in the all-reduce (reduction is always fp32): none (fp32), fp16, int8
-    (blockwise, ~0.27x the bytes of none), int4 (blockwise, ~0.16x). Tensors under 8192 elements always
-    travel in fp32. Wire formats and measured errors: swarm/net/codec.py."""
+    compression: Literal["none", "fp16", "int8", "int4"] = "int8"
+    """How pseudo-gradients travel in the all-reduce (reduction is always fp32): int8 (blockwise, ~0.27x the bytes of
+    none; the default: on the convergence point its eval loss is within noise of fp32, bench/results §13), none
+    (fp32), fp16, int4 (blockwise, ~0.16x). Tensors under 8192 elements always travel in fp32. Wire formats and
+    measured errors: swarm/net/codec.py."""
     error_feedback: bool = False
     """With a lossy compression: add what quantization dropped from this peer's pseudo-gradient in one round
     to its next one (per peer, kept in its checkpoint)."""

@@ -14,7 +14,9 @@ MATCHMAKING_S = load_config(ROOT / "configs" / "tiny.yaml").swarm.matchmaking_ti
 
 
 # the sample-weighted mean the reference math below replays (the defaults bound influence instead)
-PLAIN_MEAN = ("--swarm.aggregation", "mean", "--swarm.clip_norm_ratio", "0", "--swarm.max_weight_share", "1")
+# the plain sample-weighted mean in exact fp32, which the reference below computes
+PLAIN_MEAN = ("--swarm.aggregation", "mean", "--swarm.clip_norm_ratio", "0", "--swarm.max_weight_share", "1",
+              "--swarm.compression", "none")
 
 
 @pytest.mark.timeout(240)

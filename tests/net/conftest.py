@@ -27,7 +27,8 @@ FAST = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], matchmaking_time=2.0, request_
             bootstrap_timeout=10.0, progress_expiration=30.0, target_group_size=3,
             # the plain sample-weighted mean, which these tests check results against; a test of a bounded-influence
             # rule sets it (the defaults bound influence: tests/net/test_robust*.py, tests/test_config.py)
-            max_weight_share=1.0, clip_norm_ratio=0.0, aggregation="mean")
+            max_weight_share=1.0, clip_norm_ratio=0.0, aggregation="mean",
+            compression="none")  # exact fp32, which they check to 1e-6 (the default int8: everywhere else)
 
 
 def fast_cfg(**overrides) -> SwarmConfig:

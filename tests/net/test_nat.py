@@ -127,7 +127,8 @@ def test_a_peer_behind_a_nat_takes_part_and_ends_on_the_swarms_hash(tmp_path: Pa
                         "--initial-peers", maddr, "--name", f"peer-{i}", "--out", str(out / f"peer-{i}"),
                         "--data.shard", str(i), "--diloco.rounds", str(ROUNDS), "--diloco.inner_steps", "4",
                         "--swarm.host_maddrs", f"/ip4/{addr}/tcp/0", "--swarm.target_group_size", "3",
-                        "--faults.hold_round", "1", "--faults.hold_file", str(hold)]
+                        "--faults.hold_round", "1", "--faults.hold_file", str(hold),
+                        "--swarm.compression", "none"]  # the byte shares checked below are fp32's
                 peers.append(spawn(argv, out / f"peer-{i}" / "log.txt", prefix(ns)))
             procs += peers
             for i, peer in enumerate(peers):
