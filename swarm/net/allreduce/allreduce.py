@@ -296,7 +296,10 @@ class AllReduce(GroupSlots):
     def _own_share(self, group: GroupState, chunk: Chunk) -> tuple[torch.Tensor, bytes]:
         """Our chunk of our own part, with the rounding the other members' chunks get on the wire."""
         payload = self._encode_mine(group, chunk)
-        return group.layout.codec_of(chunk).decode(payload, chunk.numel), payload
+        try:
+            return group.layout.codec_of(chunk).decode(payload, chunk.numel), payload
+        except CodecError as e:  # only a peer that skipped its own check sends what it cannot decode: fail, not crash
+            raise AllReduceFailed(f"part {group.me}: our own contribution does not decode: {e}") from None
 
     async def _reduce_own(self, group: GroupState) -> None:
         for k, chunk in enumerate(group.chunks[group.me]):
