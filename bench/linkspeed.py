@@ -3,7 +3,7 @@ processes on the same link, measured in the same run.
 
 MB/s per peer = bytes a peer received in the all-reduce / the slowest peer's all-reduce time (bench/arpeer.py, the
 swarm's shipped defaults: trimmed mean, clipping, audits and agreement on). Raw TCP = one Python process sending
-1 GB (shaped links: 15 s worth) to another in 4 MiB writes, read with `recv_into`. CPU = seconds of user + system
+1 GB (shaped links: 8 s worth) to another in 4 MiB writes, read with `recv_into`. CPU = seconds of user + system
 time per kind of process over the whole launch (start-up included), from /proc. Rows with `data plane off` run
 the same all-reduce over libp2p streams only (`swarm.data_plane false`): what the daemons cost.
 
@@ -32,6 +32,9 @@ M = 1_000_000
 FULL = [("loopback", 100 * M, 2, "none", True), ("loopback", 100 * M, 2, "none", False),
         ("loopback", 100 * M, 4, "none", True), ("loopback", 100 * M, 2, "int8", True),
         ("loopback", 25 * M, 8, "none", True),
+        ("1000mbit", 100 * M, 2, "none", True), ("1000mbit", 100 * M, 4, "none", True),
+        ("1000mbit", 100 * M, 2, "int8", True), ("1000mbit", 25 * M, 8, "none", True),
+        ("100mbit", 100 * M, 2, "none", True), ("100mbit", 100 * M, 2, "int8", True),
         ("1000mbit", 25 * M, 2, "none", True), ("100mbit", 25 * M, 2, "none", True)]
 QUICK = [("loopback", 10 * M, 2, "none", True), ("loopback", 10 * M, 2, "none", False)]
 
@@ -129,7 +132,7 @@ def one_row(link: str, params: int, n: int, comp: str, plane: bool, tmp: Path, t
             cpu = meter.totals()
         finally:
             stop([boot])
-        seconds = 15 if nets else 0
+        seconds = 8 if nets else 0
         rate_mb = float(link.rstrip("mbit")) / 8 if nets else 0
         blocks = max(8, int(rate_mb * seconds / 4)) if nets else 250
         raw = raw_tcp(host(2), blocks, (prefix(1), prefix(2)))
