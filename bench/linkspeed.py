@@ -128,7 +128,8 @@ def one_row(link: str, params: int, n: int, comp: str, plane: bool, tmp: Path, t
             maddr = wait_for_line(boot_log, rf"/ip4/{host(0)}/tcp/\d+/p2p/\w+", boot)
             with CpuMeter() as meter:
                 peers = launch("swarm", comp, n, [params], [maddr], tmp, timeout,
-                               extra={"data_plane": plane}, host=host, prefix=prefix, tag=f"{link}-{plane}")
+                               extra={"data_plane": plane}, host=host, prefix=prefix,
+                               tag=f"{link}-{params}-{plane}")
             cpu = meter.totals()
         finally:
             stop([boot])
