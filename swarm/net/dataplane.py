@@ -44,7 +44,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from hivemind.p2p import PeerID
 
-from swarm.net.wire import HEADER, Channel, Kind, Traffic, WireError
+from swarm.net.wire import HEADER, Channel, Kind, ProtocolError, Stalled, Traffic, WireError
 
 logger = logging.getLogger(__name__)
 
@@ -222,3 +222,51 @@ async def dial(endpoints: Sequence[tuple[str, int]], ticket: bytes, key: bytes, 
             with contextlib.suppress(OSError, RuntimeError):
                 channel.close()
     return None
+
+
+async def switch(channel: Channel, stall: float, traffic: Traffic, undialable: dict[PeerID, float]) -> Channel:
+    """The member's side, its HELLO having asked for the data plane: the owner's sealed connection if it offers one
+    we can dial, else `channel`; an owner we cannot dial is told so and goes into `undialable` (until when)."""
+    peer = channel.peer
+    try:
+        offer = parse_offer(await channel.recv_control())
+    except ValueError as e:
+        raise ProtocolError(f"{peer}: {e}") from None
+    if offer is None:  # it runs no data plane
+        return channel
+    direct = await dial(*offer, peer, stall, traffic)
+    if direct is None:
+        logger.info(f"all-reduce: cannot reach {peer} on its data plane; its part goes over libp2p, and so will "
+                    f"the next {UNDIALABLE_FOR:.0f} s of parts (open swarm.data_port to it?)")
+        undialable[peer] = asyncio.get_running_loop().time() + UNDIALABLE_FOR
+        await channel.send_control(Kind.HELLO, {"direct": False})
+        return channel
+    channel.close()  # the owner switched too: it confirmed on the connection
+    return direct
+
+
+async def answer(plane: Optional[DataPlane], channel: Channel, stall: float) -> Channel:
+    """The owner's side, a member having asked for the data plane: offer it, and return the channel the exchange
+    runs on, the member's connection or (it could not dial, or we serve none) `channel`."""
+    if plane is None or not plane.serves:
+        await channel.send_control(Kind.HELLO, {})
+        return channel
+    offer, ticket = plane.offer(channel.peer)
+    await channel.send_control(Kind.HELLO, offer)
+    declined = asyncio.ensure_future(channel.recv_control())
+    try:
+        done, _ = await asyncio.wait({ticket.taken, declined}, timeout=stall, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        plane.withdraw(offer["ticket"])
+    if declined in done:  # the member's own word: it stays on this stream
+        if ticket.taken.done() and not ticket.taken.cancelled():
+            ticket.taken.result().close()
+        if declined.result().get("direct") is not False:
+            raise ProtocolError(f"{channel.peer} sent a second HELLO that is not a data-plane refusal")
+        return channel
+    declined.cancel()
+    if not done:
+        raise Stalled(f"{channel.peer} neither dialed our data plane nor declined it within {stall:g} s")
+    direct = ticket.taken.result()
+    await direct.send(Kind.HELLO)  # we switched: the member may leave the stream
+    return direct

@@ -72,7 +72,7 @@ def test_an_owner_that_cannot_be_dialed_gets_its_part_over_libp2p(dhts, caplog):
         await unreachable(hosts)
         planes[0].endpoints = [("127.0.0.1", closed_port())]
     planes[0].start = advertise_a_closed_port
-    with caplog.at_level(logging.INFO, logger="swarm.net.allreduce.allreduce"):
+    with caplog.at_level(logging.INFO, logger="swarm.net.dataplane"):
         results, expected = average(dhts, planes)
     assert all(torch.equal(r, results[0]) for r in results)
     assert torch.allclose(results[0], expected, atol=1e-6)

@@ -63,7 +63,7 @@ from swarm.net.budget import transfer_deadline
 from swarm.net.codec import CodecError
 from swarm.net.dataplane import DataPlane, hosts_of
 from swarm.net.identity import Identity
-from swarm.net.wire import Channel, Kind, PeerFailed, ProtocolError, Stalled, Traffic, WireError, serve
+from swarm.net.wire import Channel, Kind, PeerFailed, ProtocolError, Traffic, WireError, serve
 from swarm.tensors import all_finite
 
 logger = logging.getLogger(__name__)
@@ -218,23 +218,7 @@ class AllReduce(GroupSlots):
         asks = self.data_plane is not None and self._undialable.get(peer, 0.0) <= now
         await channel.send_control(Kind.HELLO, {"group": group.group_id, "weight": group.weights[group.me],
                                                 **({"direct": True} if asks else {})})
-        if not asks:
-            return channel
-        try:
-            offer = dataplane.parse_offer(await channel.recv_control())
-        except ValueError as e:
-            raise ProtocolError(f"{peer}: {e}") from None
-        if offer is None:  # it runs no data plane
-            return channel
-        direct = await dataplane.dial(*offer, peer, self.stall, group.traffic)
-        if direct is None:
-            logger.info(f"all-reduce: cannot reach {peer} on its data plane; its part goes over libp2p, and so will "
-                        f"the next {dataplane.UNDIALABLE_FOR:.0f} s of parts (open swarm.data_port to it?)")
-            self._undialable[peer] = now + dataplane.UNDIALABLE_FOR
-            await channel.send_control(Kind.HELLO, {"direct": False})
-            return channel
-        channel.close()  # the owner switched too: it confirmed on the connection
-        return direct
+        return await dataplane.switch(channel, self.stall, group.traffic, self._undialable) if asks else channel
 
     async def _push(self, group: GroupState, j: int, channel: Channel) -> None:
         signs = self.rule.verify and group.agreeing  # evidence.py: what we sent, signed, settles an audit
@@ -359,7 +343,7 @@ class AllReduce(GroupSlots):
         try:
             try:
                 if hello.get("direct") is True:
-                    channel = await self._direct(stream)
+                    channel = await dataplane.answer(self.data_plane, stream, self.stall)
                     channel.count_into(group.traffic)
                 sending = asyncio.ensure_future(self._send_results(group, i, channel))
                 await self._take_contributions(group, i, channel)
@@ -379,33 +363,6 @@ class AllReduce(GroupSlots):
         finally:
             if channel is not stream:  # the data plane's connection (`serve` closes the stream)
                 channel.close()
-
-    async def _direct(self, channel: Channel) -> Channel:
-        """A member asked for the data plane: offer it, and return the channel the exchange runs on, the member's
-        connection or (it could not dial) this stream."""
-        if self.data_plane is None or not self.data_plane.serves:
-            await channel.send_control(Kind.HELLO, {})
-            return channel
-        offer, ticket = self.data_plane.offer(channel.peer)
-        await channel.send_control(Kind.HELLO, offer)
-        answer = asyncio.ensure_future(channel.recv_control())
-        try:
-            done, _ = await asyncio.wait({ticket.taken, answer}, timeout=self.stall,
-                                         return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            self.data_plane.withdraw(offer["ticket"])
-        if answer in done:  # the member's own word: it stays on this stream
-            if ticket.taken.done() and not ticket.taken.cancelled():
-                ticket.taken.result().close()
-            if answer.result().get("direct") is not False:
-                raise ProtocolError(f"{channel.peer} sent a second HELLO that is not a data-plane refusal")
-            return channel
-        answer.cancel()
-        if not done:
-            raise Stalled(f"{channel.peer} neither dialed our data plane nor declined it within {self.stall:g} s")
-        direct = ticket.taken.result()
-        await direct.send(Kind.HELLO)  # we switched: the member may leave the stream
-        return direct
 
     async def _take_contributions(self, group: GroupState, i: int, channel: Channel) -> None:
         chunks = group.chunks[group.me]
