@@ -262,9 +262,16 @@ def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
                         ignored=ignored, uncertified=disregarded, credit=credit)
     # peers a round ahead whose claim the quorum did not take may be at ours (the claim-ahead attack: left out
     # of the count, it closed our groups one member short, leaving an honest peer out)
-    # (claims no certificate backs, on another hash than ours, are nobody we wait for: free identities)
+    # (claims no certificate backs, on another hash than ours, are nobody we wait for: free identities; but a hash
+    # of our own lineage says where its holder is, whatever round its record claims: a claim one round ahead made
+    # between two commits, on the hash of the round before ours, is a groupmate a moment behind us)
+    ours = {} if anchor is None else {sha: s for s, sha in anchor.lineage.items()}
+
     def waits_for(r: ProgressRecord) -> bool:
-        return backed is None or r.sha256 in (sha256, "") or backed.counts(r.peer_id, r.round, r.sha256)
+        if backed is None or r.sha256 in (sha256, "") or backed.counts(r.peer_id, r.round, r.sha256):
+            return True
+        at = ours.get(r.sha256)
+        return at is not None and round - 1 <= at <= round and backed.counts(r.peer_id, at, r.sha256)
     expected = sum(1 for r in live if r.round in (round - 1, round, round + 1) and waits_for(r)) + unsure
     majority = committed.get(round, sha256)
     if majority != sha256:

@@ -96,6 +96,22 @@ def test_sybil_quorum_steers_no_peer_with_a_lineage():
     assert without.verdict == Verdict.BEHIND
 
 
+def test_a_claim_ahead_on_the_hash_of_the_round_before_still_counts_for_the_group_size():
+    """claim-ahead between two commits: the attacker's record says outer step 3 on H[2], the hash it really holds
+    (it has not committed 3 yet). Left out of the count, our groups closed one member short and an honest peer a
+    moment behind missed the round (tests/test_agreement.py, 2 runs in 17). Its hash says where it is: at step 2,
+    certified there, so it is waited for; a fresh key making the same claim is not."""
+    honest = [record(p, 3, H[3], st(3, H[3], H[2], "03", 4)) for p in HONEST]
+    history = honest_history(2, [*HONEST, "evil"])
+    done = commits([*history, *((p, st(3, H[3], H[2], "03", 4)) for p in HONEST)])
+    claim = record("evil", 3, H[2], st(2, H[2], H[1], "02", 4))
+    position = assess(ME, 3, H[3], [*honest, claim], done, NOW, WINDOW, anchor=LINEAGE)
+    assert position.expected_group == 4, position.note
+    fresh = record("sybil0", 3, H[2])
+    position = assess(ME, 3, H[3], [*honest, fresh], done, NOW, WINDOW, anchor=LINEAGE)
+    assert position.expected_group == 3, position.note
+
+
 def test_sybil_quorum_steers_no_newcomer():
     honest, sybils, done = sybil_quorum()
     newcomer = record("n", 0, "", serves=False)
