@@ -22,8 +22,9 @@ Public names:
   `next_batch()` reads on from its `position`, `state()` says where it is (checkpoints record it).
 
 Every hash here is blake2b over the parts' text or splitmix64 over a window's index (never Python's salted
-`hash()`), so all peers, processes and restarts agree. Sources: "embedded" is the `*.py` source of the running
-Python's standard library (test suites and bundled apps left out; no download); "hf" is `datasets.load_dataset`
+`hash()`), so all peers, processes and restarts agree. Sources: "embedded" is a pinned snapshot of CPython's
+standard library source shipped in the package (swarm/embedded.py: the same bytes on every machine and Python, no
+download); "hf" is `datasets.load_dataset`
 on a hub name or a local .txt/.json/.jsonl/.parquet file or folder (a .txt file gives one document per line).
 """
 
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Callable, Optional
@@ -39,13 +39,12 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from swarm import embedded
 from swarm.config import DataConfig
 from swarm.errors import UsageError
 from swarm.progress import PrepareProgress
 from swarm.tokens import Prepared, corpus_folder, prepare
 
-_EXCLUDED_DIRS = {"test", "tests", "idle_test", "idlelib", "turtledemo", "lib2to3", "ensurepip",
-                  "site-packages", "dist-packages", "config-3", "__pycache__"}
 _BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
@@ -115,24 +114,6 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip() or type(e).__name__).splitlines()[0]
 
 
-def _embedded_files() -> tuple[Path, list[str]]:
-    """The standard library's folder and its `*.py` files (relative paths, sorted) that the embedded corpus holds."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    found = []
-    for folder, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if d not in _EXCLUDED_DIRS and not d.startswith((".", "config-"))]
-        rel = Path(folder).relative_to(root)
-        found += [(rel / f).as_posix() for f in files if f.endswith(".py")]
-    return root, sorted(found)
-
-
-def _embedded_documents() -> Iterator[tuple[str, str]]:
-    """The standard library's `*.py` files, sorted by relative path."""
-    root, keys = _embedded_files()
-    for key in keys:
-        yield key, (root / key).read_bytes().decode("utf-8", errors="replace")
-
-
 def input_bytes(cfg: DataConfig) -> Optional[int]:
     """The size of the text a prepare of `cfg` reads, which its time left is measured against: the embedded
     sources' bytes, or the local .txt / .json / .jsonl files'; None where it cannot be known ahead (a hub dataset,
@@ -140,8 +121,7 @@ def input_bytes(cfg: DataConfig) -> Optional[int]:
     if cfg.max_documents is not None:
         return None
     if cfg.source == "embedded":
-        root, keys = _embedded_files()
-        return sum((root / key).stat().st_size for key in keys)
+        return embedded.TEXT_BYTES
     path = Path(str(cfg.dataset)).expanduser()
     if not is_local(str(cfg.dataset)) or not path.exists():
         return None
@@ -200,7 +180,7 @@ def _hf_documents(cfg: DataConfig) -> Iterator[tuple[str, str]]:
 def iter_documents(cfg: DataConfig) -> Iterator[tuple[str, str]]:
     """`(key, text)` documents of `cfg.source` in a deterministic order, at most `cfg.max_documents`, read as
     they are needed (a streaming dataset is never held whole)."""
-    docs = _embedded_documents() if cfg.source == "embedded" else _hf_documents(cfg)
+    docs = embedded.documents() if cfg.source == "embedded" else _hf_documents(cfg)
     for count, doc in enumerate(docs):
         if cfg.max_documents is not None and count >= cfg.max_documents:
             return

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from bench.data import train_bpe
-from swarm import data
+from pathlib import Path
+
+from swarm import data, embedded
 from swarm.configfile import load_config
 from swarm.errors import SwarmError, UsageError
 
@@ -201,7 +203,7 @@ def test_the_size_of_the_input_is_known_where_it_can_be(tmp_path):
     (tmp_path / "pq").mkdir()
     (tmp_path / "pq" / "rows.parquet").write_bytes(b"PAR1")
     assert data.input_bytes(data_cfg(source="hf", dataset=str(tmp_path / "pq"))) is None  # compressed
-    assert data.input_bytes(data_cfg()) > 1_000_000  # the embedded corpus: the standard library's sources
+    assert data.input_bytes(data_cfg()) == embedded.TEXT_BYTES  # the embedded corpus's text
     calls = []
     cfg = data_cfg(source="hf", dataset=str(tmp_path / "txt"), cache_dir=str(tmp_path / "cache"))
     data.load_corpus(cfg, cache=False, progress=lambda *a: calls.append(a))
@@ -292,3 +294,36 @@ def test_a_txt_file_is_read_without_datasets_into_the_records_datasets_gives(tmp
     ds = datasets.load_dataset("text", data_files=str(tmp_path / "a.txt"), split="train", streaming=True)
     expected = [(str(i), r["text"]) for i, r in enumerate(ds) if r["text"].strip()]
     assert list(data.iter_documents(cfg)) == expected and [k for k, _ in expected] == ["0", "1", "4", "5", "6"]
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+TINY_CORPUS_SHA256 = "24423be94117bc5f80f50784fad74a882aa99556a5dfe1df31686314d17cdf6a"  # the README quotes it
+
+
+@pytest.mark.timeout(120)
+def test_the_embedded_corpus_is_the_pinned_bytes_whatever_python_runs(tmp_path):
+    """The embedded corpus is a snapshot shipped in the package, not the running interpreter's library: the
+    bytes the README names, and the prepared corpus of configs/tiny.yaml (what `make swarm` trains on) has the
+    hash the README names, on any machine and under any Python. Read under another Python's library, the corpus
+    used to differ and a peer on it was refused as another run."""
+    readme = README.read_text()
+    assert embedded.SHA256 in readme and TINY_CORPUS_SHA256 in readme
+    keys = [key for key, _ in embedded.documents()]
+    assert len(keys) == 576 and keys == sorted(keys) and "os.py" in keys
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml", {})
+    cfg.data.cache_dir = str(tmp_path / "cache")
+    assert data.load_corpus(cfg.data).prepared.meta["sha256"] == TINY_CORPUS_SHA256
+
+
+@pytest.mark.timeout(60)
+def test_an_altered_embedded_corpus_is_refused_naming_it(tmp_path, monkeypatch):
+    import lzma
+
+    altered = tmp_path / "corpus.jsonl.xz"
+    altered.write_bytes(lzma.compress(b'["os.py", "import sys"]\n'))
+    monkeypatch.setattr(embedded, "ARCHIVE", altered)
+    with pytest.raises(SwarmError, match=f"the embedded corpus {altered} has sha256 .* not the pinned"):
+        list(embedded.documents())
+    altered.write_bytes(b"not xz")
+    with pytest.raises(SwarmError, match=f"the embedded corpus {altered} does not read"):
+        list(embedded.documents())
