@@ -10,10 +10,15 @@ After a crash, a reboot or Ctrl-C the same command finds the same folder and res
 networked peer then takes the swarm's state if the swarm is further: swarm/trainer_state.py `catch_up`);
 `--fresh` deletes the folder's checkpoints and metrics.csv first. The first log line says which it does.
 
+A peer's name (`peer_name`) is not its folder's: `--name` if given, else the hostname and the end of the peer id of
+the key its folder keeps (`identity.key`), e.g. `ubuntu-x3Fq9k`. The name seeds the peer's batch order and finds
+its data shard's lease again after a restart; a key is unique where a hostname is not (two machines called
+`ubuntu` drew the same batches and fought over one lease), and kept in the folder it survives restarts.
+
 `claim` takes the folder for this process: an exclusive `flock` on `<folder>/.lock`, which the kernel drops
 when the process ends, however it ends (forked children close their copy at once). A derived folder that
 another live process holds gives way to the next name (`<hostname>-2`, ...): two peers started on one machine
-get two folders and two names (so two data shards), each the same one again when restarted in the same order.
+get two folders (and two keys), each the same one again when restarted in the same order.
 An `--out` folder in use is refused.
 """
 
@@ -40,8 +45,8 @@ def _safe(name: str) -> str:
 
 
 class PeerFolder:
-    """The folder a command trains in (`path`), the peer name it derived (None: the command's own default),
-    and the lock that holds it while this process lives."""
+    """The folder a command trains in (`path`), the peer name given on the command line (None: `peer_name`'s
+    default), and the lock that holds it while this process lives."""
 
     def __init__(self, path: Path, name: Optional[str], fd: Optional[int]):
         self.path, self.name, self._fd = path, name, fd
@@ -108,10 +113,15 @@ def claim(out: Optional[str], run_id: str, name: Optional[str], kind: str, lock:
         path = base / f"{leaf}{suffix}" if leaf is not None else base.with_name(base.name + suffix)
         fd = _lock(path, "the default peer folder: pass --out") if lock else None
         if fd is not None or not lock:
-            return PeerFolder(path, None if stem is None or kind == "solo" else f"{stem}{suffix}", fd)
+            return PeerFolder(path, name, fd)
         if name is not None:  # a peer named on the command line is that peer: never another
             raise SwarmError(f"peer {name} of run {run_id!r} is running already ({path} is held by {_holder(path)})")
     raise SwarmError(f"{MAX_SAME_NAME} peers of run {run_id!r} run here already under {base}")
+
+
+def peer_name(given: Optional[str], peer_id: str) -> str:
+    """The name a peer goes by (module docstring): `given` (`--name`), else `<hostname>-<last 6 of its peer id>`."""
+    return given or f"{_safe(socket.gethostname())}-{peer_id[-6:]}"
 
 
 def start(folder: Path, cfg: Config, fresh: bool, networked: bool) -> None:

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import signal
-import socket
 import time
 from pathlib import Path
 from typing import Optional
@@ -94,6 +92,7 @@ def write_rank(out_dir: Path, ranks: Ranks, trainer: Trainer) -> None:
 
 
 def _run_endpoint(cfg: Config, out_dir: Path, name: Optional[str], ranks: Ranks) -> Path:
+    from peers.folder import peer_name
     from swarm.model import count_parameters
     from swarm.net.addresses import tcp_port, unreachable_warning
     from swarm.net.dht import start_dht, visible_maddrs
@@ -107,14 +106,16 @@ def _run_endpoint(cfg: Config, out_dir: Path, name: Optional[str], ranks: Ranks)
 
     start = time.time()
     raise_open_files()  # every incoming stream is a file descriptor (swarm/net/limits.py)
-    name = name or f"{socket.gethostname()}-{os.getpid()}"
     out_dir.mkdir(parents=True, exist_ok=True)
+    # the key and the ledger stay in the peer's folder: a restart is the same peer to the swarm (ledger.py), under
+    # the same name (peers/folder.py), so with the same batch order and data shard
+    key = load_identity(cfg.swarm.identity or str(out_dir / "identity.key"))
+    name = peer_name(name, key.peer_id.to_base58())
     status = StatusFile(out_dir / "status.json")
     status.update(force=True, name=name, state="starting", round=0, step=0, loss=None)
 
     run = run_identity(cfg)  # prepares the corpus if it is not yet: its hash is part of the run
-    # the key and the ledger stay in the peer's folder: a restart is the same peer to the swarm (ledger.py)
-    identity = with_work(load_identity(cfg.swarm.identity or str(out_dir / "identity.key")), cfg.swarm.identity_work)
+    identity = with_work(key, cfg.swarm.identity_work)
     dht = start_dht(cfg.swarm, identity, run=run)
     averager, trainer = None, None
     try:

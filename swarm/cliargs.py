@@ -112,8 +112,8 @@ def _network(p: argparse.ArgumentParser, *, peers_required: bool, client: bool =
 
 def _peer_options(p: argparse.ArgumentParser, mode: str) -> None:
     p.add_argument("--name", default=None, help="peer name, which seeds its batch order and finds its data shard's "
-                                                "lease again after a restart (default: the hostname; -2, -3, ... "
-                                                "for more peers of the run on this machine)")
+                                                "lease again after a restart (default: the hostname and the end of "
+                                                "its key's peer id, kept in the peer folder)")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="peer folder: log.txt, metrics.csv, checkpoint/, summary.json; the same command again "
                         "resumes from its checkpoint (default: runs/<run id>/<name>"

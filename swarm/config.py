@@ -35,7 +35,7 @@ class ModelConfig:
 class DataConfig:
     """Where tokens come from and how each peer's shard is cut."""
 
-    source: Literal["embedded", "hf"] = "embedded"  # embedded: a pinned snapshot of CPython's stdlib source (no download)
+    source: Literal["embedded", "hf"] = "embedded"  # embedded: a pinned CPython stdlib source snapshot, no download
     dataset: Optional[str] = None  # source=hf: hub name or local path (folder or .txt/.json/.jsonl/.parquet file)
     dataset_config: Optional[str] = None  # the dataset's configuration name, if it has several (source=hf)
     split: str = "train"  # split of the dataset to read (source=hf)

@@ -7,13 +7,13 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from bench.data import train_bpe
-from pathlib import Path
-
 from swarm import data, embedded
 from swarm.configfile import load_config
 from swarm.errors import SwarmError, UsageError

@@ -2,9 +2,12 @@
 command after Ctrl-C resumes from its checkpoint, `--fresh` starts over, the first log line says which; a second
 process never shares a folder. And `swarm export --from-swarm`: the swarm's committed state as an HF folder."""
 
+import json
 import logging
 import os
+import re
 import signal
+import socket
 import threading
 import time
 
@@ -12,11 +15,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from peers.folder import claim
+from peers.folder import claim, peer_name
 from peers.local_swarm import spawn_child
 from swarm.checkpoint import Checkpointer
 from swarm.cli import main
+from swarm.configfile import load_config
+from swarm.data import TrainBatches, load_corpus
 from swarm.errors import SwarmError
+from swarm.net.identity import load_identity
 from tests.conftest import ROOT
 from tests.swarm_harness import SMALL, local_swarm
 
@@ -38,6 +44,23 @@ def test_a_derived_folder_in_use_gives_way_and_a_named_or_given_one_is_refused(t
     for folder in (first, second, peer):
         folder.__exit__()
     assert str(claim(None, "my run", None, "solo").path) == "runs/my_run/solo"  # free again
+
+
+def test_two_peers_on_machines_of_one_hostname_get_two_names_and_two_batch_orders(tmp_path, monkeypatch):
+    """Two machines called `ubuntu` (one hostname, two peer folders, so two keys): the default name was the hostname,
+    so both drew one batch order and found one lease. Now each is named by the key its folder keeps, and keeps that
+    name when it restarts."""
+    monkeypatch.setattr(socket, "gethostname", lambda: "ubuntu")
+    for machine in "ab":
+        (tmp_path / machine).mkdir()
+    names = [peer_name(None, load_identity(str(tmp_path / m / "identity.key")).peer_id.to_base58()) for m in "ab"]
+    again = peer_name(None, load_identity(str(tmp_path / "a" / "identity.key")).peer_id.to_base58())
+    assert names[0] != names[1] and all(n.startswith("ubuntu-") for n in names) and again == names[0]
+    assert peer_name("p", load_identity(str(tmp_path / "a" / "identity.key")).peer_id.to_base58()) == "p"
+    cfg = load_config(None, {"data": {"num_shards": 1}}).data
+    corpus = load_corpus(cfg)
+    first = [TrainBatches(corpus, cfg, 0, identity=name).next_batch() for name in names]
+    assert not torch.equal(first[0], first[1])
 
 
 def first_line(caplog) -> str:
@@ -98,18 +121,19 @@ def wait_for(condition, timeout: float, what: str) -> None:
 
 @pytest.mark.timeout(300)
 def test_a_networked_peer_resumes_by_rerun_and_the_swarm_s_state_exports(tmp_path, monkeypatch, fork_server):
-    """One peer of a swarm, started without --out from tmp_path, commits round 1 and holds there, serving its state:
-    `swarm export --from-swarm` writes that state. Stopped (SIGTERM, as Ctrl-C), the same command resumes it from
-    runs/swarm-tiny/p at round 1, and it ends the run."""
+    """One peer of a swarm, started without --out or --name from tmp_path, commits round 1 and holds there, serving
+    its state: `swarm export --from-swarm` writes that state. Stopped (SIGTERM, as Ctrl-C), the same command resumes
+    it from runs/swarm-tiny/<hostname> at round 1, under the same name (its key stays in the folder), and it ends
+    the run."""
     monkeypatch.chdir(tmp_path)
     hold = tmp_path / "hold"
     hold.touch()
-    folder = tmp_path / "runs" / "swarm-tiny" / "p"
+    host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())
+    folder = tmp_path / "runs" / "swarm-tiny" / host
     with local_swarm(tmp_path, fork_server) as swarm:
         maddr = swarm.start_bootstrap()
-        argv = ["peer", *TINY, "--diloco.rounds", "2", "--initial-peers", maddr, "--name", "p",
-                "--swarm.identity", str(tmp_path / "p.key"), "--faults.hold_round", "2", "--faults.hold_file",
-                str(hold)]
+        argv = ["peer", *TINY, "--diloco.rounds", "2", "--initial-peers", maddr, "--faults.hold_round", "2",
+                "--faults.hold_file", str(hold)]
         peer = spawn_child(fork_server, "p", argv, tmp_path / "first.log")  # forked in tmp_path
         swarm.children.append(peer)
         wait_for(lambda: (folder / "checkpoint" / "round-000001").exists() or peer.proc.poll() is not None, 150,
@@ -122,12 +146,15 @@ def test_a_networked_peer_resumes_by_rerun_and_the_swarm_s_state_exports(tmp_pat
         assert exported and all(torch.equal(p, committed[f"global.{name}"]) for name, p in exported.items())
         peer.proc.send_signal(signal.SIGTERM)
         assert peer.proc.wait(timeout=60) == 128 + signal.SIGTERM
+        name = json.loads((folder / "peer.json").read_text())["name"]
         hold.unlink()
         again = spawn_child(fork_server, "p", argv, tmp_path / "again.log")  # the same command
         swarm.children.append(again)
         assert again.proc.wait(timeout=150) == 0, (tmp_path / "again.log").read_text()[-3000:]
     log = (tmp_path / "again.log").read_text().splitlines()
-    assert log[0].endswith("swarm.folder: peer folder runs/swarm-tiny/p: resuming from its checkpoint of round 1, "
-                           "runs/swarm-tiny/p/checkpoint/round-000001; then from the swarm's state if the swarm is "
+    assert log[0].endswith(f"swarm.folder: peer folder runs/swarm-tiny/{host}: resuming from its checkpoint of round 1, "
+                           f"runs/swarm-tiny/{host}/checkpoint/round-000001; then from the swarm's state if the swarm is "
                            "further (--fresh starts over)"), log[:3]
     assert Checkpointer(folder / "checkpoint").read_meta()["round"] == 2
+    key = load_identity(str(folder / "identity.key")).peer_id.to_base58()
+    assert name == json.loads((folder / "peer.json").read_text())["name"] == f"{host}-{key[-6:]}"
