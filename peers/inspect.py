@@ -70,9 +70,11 @@ def _writable(folder: Path, option: str) -> None:
         raise UsageError(f"{option} {folder}: cannot write there ({existing} is not a writable folder)")
 
 
-def dry_run(cfg: Config, out: Path, networked: bool, run: Optional[RunIdentity] = None, nproc: int = 1) -> int:
+def dry_run(cfg: Config, out: Path, networked: bool, run: Optional[RunIdentity] = None, nproc: int = 1,
+            local_peers: Optional[int] = None) -> int:
     """Check and print what a peer of `cfg` (of `nproc` ranks) would start with, its memory per rank among it;
     exit 0 without training. `run`: the identity of the run it joins (`swarm join`), which its own must match.
+    `local_peers`: `out` is the folder of a `swarm local` of that many peers, each in its own `peer-<i>/`.
     The memory plan is printed first, on any machine: a machine that cannot hold it then exits 2 naming why."""
     from swarm.data import load_corpus
     from swarm.metrics import check_available
@@ -88,8 +90,13 @@ def dry_run(cfg: Config, out: Path, networked: bool, run: Optional[RunIdentity] 
           f"steps, delay {cfg.diloco.delay}, {cfg.diloco.fragments} fragment(s))")
     print(f"corpus: {corpus.prepared.folder} ({meta['train_tokens']} train and {meta['eval_tokens']} eval tokens, "
           f"sha256 {meta['sha256'][:16]})")
-    files = "log.txt, metrics.csv, checkpoint/" + (", identity.key, ledger.json" if networked else "")
-    print(f"run folder: {out} ({files})")
+    files = "log.txt, metrics.csv, checkpoint/" + (", identity.key, ledger.json" if networked or local_peers else "")
+    if local_peers is None:
+        print(f"run folder: {out} ({files})")
+    else:
+        last = f" .. {out / f'peer-{local_peers - 1}'}" if local_peers > 1 else ""
+        print(f"run folder: {out} (log.txt, bootstrap.log, summary.json, loss.png); each peer's in "
+              f"{out / 'peer-0'}{last} ({files})")
     mine = run_identity(cfg, meta["sha256"])
     if networked:
         _network(cfg, out)

@@ -56,20 +56,32 @@ def run_sim(cfg: Config, replicas: int, out_dir: Path) -> Path:
     return path
 
 
-def simulate(cfg: Config, replicas: int, out_dir: Path) -> list[Trainer]:
-    """Train M replicas (shards 0..M-1) in M threads with the same loop as a real peer; return them."""
-    if cfg.diloco.threads:
-        torch.set_num_threads(cfg.diloco.threads)
-    if replicas > cfg.data.num_shards:
+def check_replicas(cfg: Config, replicas: int) -> None:
+    """UsageError unless every one of `replicas` gets a data shard of its own."""
+    if not 1 <= replicas <= cfg.data.num_shards:
         raise UsageError(f"--replicas {replicas} needs a data shard each: data.num_shards is {cfg.data.num_shards}")
-    sim = SimAverager(replicas)
-    trainers = []
+
+
+def replica_folders(cfg: Config, replicas: int, out_dir: Path) -> list[tuple[Path, Config]]:
+    """Each replica's folder (`out_dir`/replica-<i>) and config (its own checkpoint.dir, if one is set)."""
+    out = []
     for i in range(replicas):
         replica_cfg = copy.deepcopy(cfg)
         if cfg.checkpoint.dir is not None:
             replica_cfg.checkpoint.dir = str(Path(cfg.checkpoint.dir) / f"replica-{i}")
-        trainers.append(Trainer(replica_cfg, sim.member(i), peer_id=f"replica-{i}", shard=i,
-                                out_dir=out_dir / f"replica-{i}"))
+        out.append((out_dir / f"replica-{i}", replica_cfg))
+    return out
+
+
+def simulate(cfg: Config, replicas: int, out_dir: Path) -> list[Trainer]:
+    """Train M replicas (shards 0..M-1) in M threads with the same loop as a real peer; return them."""
+    if cfg.diloco.threads:
+        torch.set_num_threads(cfg.diloco.threads)
+    check_replicas(cfg, replicas)
+    sim = SimAverager(replicas)
+    trainers = []
+    for i, (folder, replica_cfg) in enumerate(replica_folders(cfg, replicas, out_dir)):
+        trainers.append(Trainer(replica_cfg, sim.member(i), peer_id=f"replica-{i}", shard=i, out_dir=folder))
     errors = []
 
     def work(i: int) -> None:

@@ -49,7 +49,9 @@ def _no_rest(rest: list[str], command: str) -> None:
 def _bootstrap(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
     from swarm.net.dht import run_bootstrap
 
-    run_bootstrap(load_config(args.config, [*_network(args), *rest]).swarm)
+    cfg = load_config(args.config, [*_network(args), *rest])
+    logs.to_folder(Path(args.out))
+    run_bootstrap(cfg.swarm)
     return 0
 
 
@@ -58,7 +60,8 @@ def _monitor(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
 
     cfg = load_config(args.config, [*rest, "--swarm.initial_peers", *args.initial_peers, "--swarm.run_id", args.run])
     history = Path(args.history) if args.history else Path("runs") / f"monitor-{args.run}" / "history.json"
-    return run_monitor(cfg.swarm, args.host, args.port, history)
+    logs.to_folder(history.parent, "--history")
+    return run_monitor(cfg.swarm, args.host, args.http_port, history)
 
 
 def _export(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
@@ -146,6 +149,25 @@ def _folder(args: argparse.Namespace, cfg: Config, kind: str):
     return folder
 
 
+def _sim(args: argparse.Namespace, cfg: Config) -> int:
+    """`swarm sim`: M replicas in this process, in `--out`'s replica-<i>/ folders."""
+    from peers.local_trainers import check_replicas, replica_folders, run_sim
+
+    check_replicas(cfg, args.replicas)
+    out = _out_dir(args.out, cfg, f"sim{args.replicas}")
+    if args.dry_run:
+        from peers.inspect import dry_run
+
+        return dry_run(cfg, out, networked=False)
+    logs.to_folder(out)
+    if args.fresh:
+        from peers.folder import start
+
+        for folder, replica in replica_folders(cfg, args.replicas, out):
+            start(folder, replica, fresh=True, networked=False)
+    return _wrote(run_sim(cfg, args.replicas, out), None)
+
+
 def _rank_argv(argv: list[str], folder) -> list[str]:
     """The command each rank of a peer of several processes runs: `argv` in the claimed `folder` (the launcher
     holds its lock and did `--fresh` already)."""
@@ -193,17 +215,14 @@ def _train(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
 
         check_plan(cfg, args.peers, args.kill, args.join, args.hostile,  # before the folder is made, or a dry run
                    None if args.no_monitor or args.dry_run else args.monitor_port)
+    if args.command == "sim":
+        return _sim(args, cfg)
     if args.command in ("peer", "local") and args.dry_run:
         from peers.inspect import dry_run
 
         return dry_run(cfg, _planned(args, cfg, kind), networked=networked,
-                       nproc=args.nproc_per_node if args.command == "peer" else 1)
-    if args.command == "sim":
-        from peers.local_trainers import run_sim
-
-        out = _out_dir(args.out, cfg, f"sim{args.replicas}")
-        logs.to_folder(out)
-        return _wrote(run_sim(cfg, args.replicas, out), None)
+                       nproc=args.nproc_per_node if args.command == "peer" else 1,
+                       local_peers=args.peers + len(args.join) if args.command == "local" else None)
     if args.command == "local":
         from peers.local_swarm import run_local
 

@@ -16,6 +16,7 @@ import argparse
 from importlib import metadata
 from typing import Optional
 
+from swarm.config import per_peer_keys
 from swarm.errors import UsageError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -67,6 +68,15 @@ class _NoConfig(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         raise UsageError("swarm join takes no --config: the run's config comes from its manifest in the DHT "
                          "(`swarm config show` prints a config file's)")
+
+
+class _Renamed(argparse.Action):
+    """An option that was renamed: refused, naming the new one (its old meaning differed from the same flag's on
+    other commands)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        raise UsageError(f"swarm {parser.prog.split()[-1]} {option_string} is now {self.const}: {option_string} is a "
+                         f"peer's TCP port on the other commands")
 
 
 class _Addresses(argparse.Action):
@@ -143,6 +153,8 @@ def parser() -> argparse.ArgumentParser:
     _peer_options(peer, "peer")
 
     join = command("join", "run one training peer in a run found by name: its config comes from the DHT")
+    join.epilog = ("config overrides a joiner may pass (each peer's own; every other key is the run's): "
+                   + ", ".join(per_peer_keys()))
     join.add_argument("run", help="the run's id (swarm.run_id); `swarm runs` lists them")
     join.add_argument("--config", action=_NoConfig, help=argparse.SUPPRESS)
     _network(join, peers_required=True)
@@ -155,7 +167,12 @@ def parser() -> argparse.ArgumentParser:
     sim = command("sim", "M replicas in one process, averaged in memory")
     sim.add_argument("--config", required=True, help="YAML config file, e.g. configs/tiny.yaml")
     sim.add_argument("--replicas", type=int, default=4, metavar="M", help="replicas trained side by side")
-    sim.add_argument("--out", default=None, metavar="DIR", help="run folder (default: runs/<run id>-simM-<time>)")
+    sim.add_argument("--out", default=None, metavar="DIR", help="run folder, one replica-<i>/ per replica; the same "
+                                                                "command again resumes them from their checkpoints "
+                                                                "(default: runs/<run id>-simM-<time>)")
+    sim.add_argument("--fresh", action="store_true", help="delete the replicas' checkpoints and start over")
+    sim.add_argument("--dry-run", action="store_true", help="check the config and data, print the memory plan, "
+                                                            "then exit")
 
     local = command("local", "a local multi-peer swarm on 127.0.0.1: bootstrap, N peers, a monitor, a summary")
     local.add_argument("--config", required=True, help="YAML config file, e.g. configs/tiny.yaml")
@@ -183,29 +200,34 @@ def parser() -> argparse.ArgumentParser:
     boot = command("bootstrap", "a DHT-only peer that others use as --initial-peers; prints its multiaddrs")
     _network(boot, peers_required=False, client=False)
     boot.add_argument("--config", default=None, help="YAML config file, for its swarm.* keys (optional)")
+    boot.add_argument("--out", default="runs/bootstrap", metavar="DIR", help="where its log.txt goes (default: "
+                                                                            "runs/bootstrap)")
 
     mon = command("monitor", "serve a run's live state: web page, JSON and Prometheus metrics")
     mon.add_argument("--initial-peers", nargs="+", action=_Addresses, required=True, metavar="MADDR",
                      help="multiaddrs of peers in the swarm (swarm.initial_peers)")
     mon.add_argument("--run", required=True, help="the run's id (swarm.run_id)")
-    mon.add_argument("--port", type=int, default=8470, help="HTTP port of the page")
+    mon.add_argument("--http-port", type=int, default=8470, metavar="PORT", help="HTTP port of the page (default: "
+                                                                               "8470)")
+    mon.add_argument("--port", action=_Renamed, const="--http-port", help=argparse.SUPPRESS)
     mon.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on (0.0.0.0: every interface)")
     mon.add_argument("--config", default=None, help="the run's YAML config, for its swarm timings (optional)")
     mon.add_argument("--history", default=None, metavar="FILE",
-                     help="where the monitor keeps what it saw (eval loss per round, events) across restarts "
-                          "(default: runs/monitor-<run>/history.json)")
+                     help="where the monitor keeps what it saw (eval loss per round, events) across restarts, "
+                          "its log.txt beside it (default: runs/monitor-<run>/history.json)")
 
     data = command("data", "corpora: `swarm data prepare` tokenizes one once, for every peer on this machine")
     data_sub = data.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND", parser_class=_Parser)
-    prepare = data_sub.add_parser("prepare", parents=common, help="tokenize the corpus of a config into token "
-                                  "files where a peer with the same data.* settings looks; verify it if done")
+    what = ("tokenize the corpus of a config into token files where a peer with the same data.* settings looks; "
+            "verify it if done")
+    prepare = data_sub.add_parser("prepare", parents=common, help=what, description=what)
     prepare.add_argument("--config", required=True, help="YAML config file; --data.* overrides follow")
 
     config = command("config", "configs: `swarm config show` prints a resolved config and its fingerprint")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND",
                                        parser_class=_Parser)
-    show = config_sub.add_parser("show", parents=common, help="print the resolved config (overrides applied), "
-                                 "which keys are each peer's own, and the run's fingerprint")
+    what = "print the resolved config (overrides applied), which keys are each peer's own, and the run's fingerprint"
+    show = config_sub.add_parser("show", parents=common, help=what, description=what)
     show.add_argument("--config", default=None, help="YAML config file (default: every key at its default)")
 
     export = command("export", "write a peer's (or the swarm's) committed model as a Hugging Face model folder")

@@ -164,8 +164,10 @@ def validate(cfg: Config) -> None:
     if cfg.inner.parallel == "fsdp" and cfg.inner.optimizer == "adamw8bit":
         raise ConfigError("inner.optimizer adamw8bit cannot step the sharded parameters of inner.parallel fsdp: "
                           "use inner.optimizer adamw")
-    if cfg.inner.warmup_steps > cfg.diloco.rounds * cfg.diloco.inner_steps:
-        raise ConfigError("inner.warmup_steps exceeds the total inner steps (diloco.rounds * diloco.inner_steps)")
+    if cfg.inner.warmup_steps > (total := cfg.diloco.rounds * cfg.diloco.inner_steps):
+        raise ConfigError(f"inner.warmup_steps {cfg.inner.warmup_steps} exceeds the run's {total} inner steps "
+                          f"(diloco.rounds {cfg.diloco.rounds} * diloco.inner_steps {cfg.diloco.inner_steps}): pass "
+                          f"--inner.warmup_steps {total // 10} (a tenth of them) or at most {total}")
     if not 0.0 <= cfg.outer.momentum < 1.0:
         raise ConfigError(f"outer.momentum {cfg.outer.momentum} must be in [0, 1)")
     if s.request_timeout >= s.matchmaking_time:
@@ -189,8 +191,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"diloco.fragments {dl.fragments} must be in [1, diloco.inner_steps = {dl.inner_steps}]")
     if not 0 <= dl.delay < dl.inner_steps // dl.fragments:
         raise ConfigError(f"diloco.delay {dl.delay} must be in [0, diloco.inner_steps // diloco.fragments = "
-                          f"{dl.inner_steps // dl.fragments}): an exchange lands before the next one starts "
-                          f"(--diloco.delay 0: blocking rounds)")
+                          f"{dl.inner_steps // dl.fragments}): an exchange lands before the next one starts; pass "
+                          f"--diloco.delay auto ({max(1, dl.inner_steps // dl.fragments) // 10} here), at most "
+                          f"{max(0, dl.inner_steps // dl.fragments - 1)}, or 0 (blocking rounds)")
     if not 0.0 <= dl.mix_alpha <= 1.0:
         raise ConfigError(f"diloco.mix_alpha {dl.mix_alpha} must be in [0, 1]")
     if dl.fragments > 1 and cfg.logging.dump_tensors:

@@ -169,7 +169,12 @@ def prepare(folder: Path, cfg: DataConfig, tokenizer, documents: Callable[[], It
     `documents()` yields (key, text); `is_eval(key)` scores a document (held out below `cfg.eval_fraction`);
     `progress(documents, tokens, text)` is called as tokenizing goes (text: characters read so far)."""
     if not (folder / "meta.json").exists():
-        folder.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            folder.with_name(folder.name + ".lock").touch()
+        except OSError as e:
+            raise UsageError(f"cannot write prepared corpora in {folder.parent} ({e.strerror or e}): pass "
+                             f"--data.cache_dir DIR, a folder this user can write") from None
         with _locked(folder.with_name(folder.name + ".lock")):
             if not (folder / "meta.json").exists():
                 _write(folder, cfg, tokenizer, documents, is_eval, progress)

@@ -44,3 +44,12 @@ def test_a_peer_that_announces_no_public_address_is_warned(maddrs, client, warns
     assert tcp_port(maddrs) == 5
     if warns:  # a bootstrap has no client mode to fall back on
         assert "--client-mode" not in unreachable_warning(maddrs, client, can_be_client=False)
+
+
+def test_the_readme_s_example_address_is_named_as_an_example_not_a_private_one():
+    """`--announce-ip 203.0.113.7` as the README writes it: the warning said to pass --announce-ip, which the user
+    had; it now says that the address is an example's."""
+    warning = unreachable_warning(["/ip4/203.0.113.7/tcp/31338", "/ip4/127.0.0.1/tcp/31338"], False)
+    assert warning == ("this peer announces 203.0.113.7, an address reserved for documentation (RFC 5737, RFC 3849) "
+                       "that nobody can dial: pass --announce-ip with this machine's public IP, and open TCP port "
+                       "31338")

@@ -12,7 +12,7 @@ import pytest
 from peers.folder import claim
 from swarm import cliargs
 from swarm.cli import main
-from swarm.config import Config
+from swarm.config import Config, per_peer_keys
 from swarm.configfile import load_config
 from swarm.errors import UsageError
 from tests.conftest import ROOT, CliResult
@@ -114,6 +114,28 @@ def test_a_list_option_stops_at_an_override():
     assert cliargs.log_level(cliargs.parse(["local", "--config", "c", "--log-level", "DEBUG"])[0]) == "debug"
 
 
+COMMANDS = [["peer"], ["join"], ["runs"], ["sim"], ["local"], ["bootstrap"], ["monitor"], ["data", "prepare"],
+            ["config", "show"], ["export"]]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_every_command_s_help_says_what_it_does_and_its_flags_mean_one_thing(command, run):
+    """Every subcommand's --help: a description under the usage line; --port, where there is one, a peer's TCP
+    port (the monitor's HTTP port is --http-port); every command that trains a folder has --fresh and --dry-run;
+    `join` lists the keys a joiner may override."""
+    result = run(*command, "--help")
+    assert result.returncode == 0
+    usage, description = result.stdout.split("\n\n")[:2]
+    assert usage.startswith(f"usage: swarm {' '.join(command)}") and description.strip()
+    flags = dict(re.findall(r"^  (--[a-z-]+)(?: [A-Z]\S*)?\s+(\S.*)$", result.stdout, re.MULTILINE))
+    if "--port" in flags:
+        assert flags["--port"].startswith("TCP port"), flags["--port"]
+    if command[0] in ("peer", "join", "sim", "local"):
+        assert "--fresh" in result.stdout and "--dry-run" in result.stdout
+    if command == ["join"]:
+        assert all(key in " ".join(result.stdout.split()) for key in per_peer_keys())
+
+
 def test_version_and_help(run):
     result = run("--version")
     assert result.returncode == 0 and re.fullmatch(r"swarm \S+\n", result.stdout)
@@ -177,6 +199,9 @@ def test_dry_run_checks_everything_and_trains_nothing(run, tmp_path):
     result = run("local", "--config", "configs/tiny.yaml", *SMALL, "--peers", "2", "--dry-run",
                  "--out", str(tmp_path / "local"))
     assert result.returncode == 0 and "nothing trained" in result.stdout and not (tmp_path / "local").exists()
+    local = tmp_path / "local"  # the swarm's log beside its peers' folders, where each peer's log.txt goes
+    assert (f"run folder: {local} (log.txt, bootstrap.log, summary.json, loss.png); each peer's in {local / 'peer-0'} "
+            f".. {local / 'peer-1'} (log.txt, metrics.csv, checkpoint/, identity.key, ledger.json)") in result.stdout
 
 
 def test_dry_run_prints_the_memory_plan_per_rank_even_where_it_cannot_run(run, tmp_path):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, scratch_folder
 from tests.swarm_harness import local_swarm
 
 pytestmark = pytest.mark.timeout(90)
@@ -104,11 +104,13 @@ def test_monitor_port_in_use_exits_1_naming_the_port():
         taken.listen()
         port = taken.getsockname()[1]
         start = time.time()
+        scratch = scratch_folder()
         result = run_cli("monitor", "--initial-peers", f"/ip4/127.0.0.1/tcp/1/p2p/{SOME_ID}", "--run", "r",
-                         "--port", str(port))
+                         "--http-port", str(port), cwd=scratch)
     assert result.returncode == 1
     assert f"port {port}" in one_line_error(result)
     assert time.time() - start < 30  # refused before any DHT starts
+    assert f"port {port}" in (scratch / "runs" / "monitor-r" / "log.txt").read_text()  # beside its history
 
 
 def test_monitor_unreadable_multiaddr_exits_2_naming_it(cli):
@@ -119,9 +121,13 @@ def test_monitor_unreadable_multiaddr_exits_2_naming_it(cli):
 
 def test_monitor_bad_port_exits_2(cli):
     result = cli("monitor", "--initial-peers", f"/ip4/127.0.0.1/tcp/1/p2p/{SOME_ID}", "--run", "r",
-                 "--port", "70000")
+                 "--http-port", "70000")
     assert result.returncode == 2
     assert "port 70000" in one_line_error(result)
+    result = cli("monitor", "--initial-peers", f"/ip4/127.0.0.1/tcp/1/p2p/{SOME_ID}", "--run", "r", "--port", "8470")
+    assert result.returncode == 2
+    assert one_line_error(result) == ("swarm: error: swarm monitor --port is now --http-port: --port is a peer's TCP "
+                                      "port on the other commands")
 
 
 def test_local_monitor_port_in_use_exits_1_naming_the_port(cli):

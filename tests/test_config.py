@@ -58,7 +58,9 @@ def test_overrides_in_both_forms():
     (["--diloco.fragments", "2", "--diloco.delay", "20"], "diloco.delay 20 must be in [0, diloco.inner_steps // "),
     (["--diloco.inner_steps", "4", "--diloco.delay", "4"],
      "diloco.delay 4 must be in [0, diloco.inner_steps // diloco.fragments = 4): an exchange lands before the next "
-     "one starts (--diloco.delay 0: blocking rounds)"),
+     "one starts; pass --diloco.delay auto (0 here), at most 3, or 0 (blocking rounds)"),
+    (["--diloco.inner_steps", "3"], "inner.warmup_steps 20 exceeds the run's 18 inner steps (diloco.rounds 6 * "
+     "diloco.inner_steps 3): pass --inner.warmup_steps 1 (a tenth of them) or at most 18"),
     (["--diloco.delay", "soon"], "diloco.delay"),
     (["--diloco.fragments", "2.5"], "diloco.fragments"),
     (["--diloco.mix_alpha", "1.5"], "diloco.mix_alpha"),

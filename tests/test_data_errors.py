@@ -84,3 +84,14 @@ def test_a_joiner_without_the_run_s_corpus_is_told_how_to_get_it(tmp_path):
     lines(tmp_path)
     (tmp_path / "txt").rename(tmp_path / "corpus")
     check_corpus_here(cfg, "run-x", "ab" * 32)  # on this machine: it is prepared first, as the command would
+
+
+@pytest.mark.parametrize("command", [["data", "prepare"], ["peer", "--solo", "--dry-run"]])
+def test_an_unwritable_cache_folder_exits_2_naming_it(cli, tmp_path, command):
+    """It used to end in a traceback from deep inside prepare (FileNotFoundError on mkdir)."""
+    file = tmp_path / "a-file"
+    file.write_text("not a folder")
+    result = cli(*command, "--config", "configs/tiny.yaml", "--data.cache_dir", str(file / "cache"))
+    assert result.returncode == 2
+    assert f"error: cannot write prepared corpora in {file / 'cache'} (Not a directory)" in one_line_error(result)
+    assert "--data.cache_dir DIR" in one_line_error(result)

@@ -97,7 +97,7 @@ def test_monitor_page_lists_live_peers_and_charts_eval_loss(tmp_path):
         maddr = re.search(r"bootstrap at (\S+)", log.read_text())[1]
         second = subprocess.Popen(
             [sys.executable, "-m", "swarm.cli", "monitor", "--initial-peers", maddr, "--run", "swarm-tiny",
-             "--port", str(second_port), "--swarm.request_timeout", "1"],  # the live window of SMALL's peers
+             "--http-port", str(second_port), "--swarm.request_timeout", "1"],  # the live window of SMALL's peers
             cwd=ROOT, stdout=open(second_log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
         snap = wait_for("two live peers and two eval rounds", lambda: api_when_ready(url), deadline, launcher, log)
 

@@ -78,6 +78,11 @@ def tcp_port(maddrs: list[str]) -> Optional[int]:
     return None
 
 
+DOCUMENTATION = [ipaddress.ip_network(n) for n in ("192.0.2.0/24", "198.51.100.0/24", "203.0.113.0/24",
+                                                  "2001:db8::/32")]
+"""Addresses that examples use (the README's 203.0.113.7) and no machine has."""
+
+
 def unreachable_warning(maddrs: list[str], client_mode: bool, can_be_client: bool = True) -> Optional[str]:
     """A warning if every one of `maddrs` (what this peer announces) is private or loopback: nobody outside
     this network can dial it. None for a client (it is never dialed) or if one is public. `can_be_client`:
@@ -86,6 +91,10 @@ def unreachable_warning(maddrs: list[str], client_mode: bool, can_be_client: boo
     if client_mode or any(ip.is_global for ip in ips):
         return None
     port = tcp_port(maddrs)
+    if examples := sorted({str(ip) for ip in ips if any(ip.version == n.version and ip in n for n in DOCUMENTATION)}):
+        return (f"this peer announces {', '.join(examples)}, an address reserved for documentation (RFC 5737, "
+                f"RFC 3849) that nobody can dial: pass --announce-ip with this machine's public IP, and open TCP "
+                f"port {port if port is not None else '(see --port)'}")
     return (f"this peer announces only private or loopback addresses ({', '.join(sorted(map(str, set(ips))))}): "
             f"peers outside this network cannot dial it. On a machine with a public IP, pass --announce-ip IP "
             f"and open TCP port {port if port is not None else '(see --port)'}"

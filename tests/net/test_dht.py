@@ -81,10 +81,10 @@ def test_identity_file_fixes_the_peer_id(tmp_path):
 
 
 @pytest.mark.timeout(40)
-def test_run_bootstrap_prints_maddrs_and_stops_on_sigterm():
-    code = "from swarm.config import SwarmConfig; from swarm.net.dht import run_bootstrap; run_bootstrap(SwarmConfig(host_maddrs=['/ip4/127.0.0.1/tcp/0']))"
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True)
+def test_swarm_bootstrap_prints_maddrs_logs_to_its_folder_and_stops_on_sigterm(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "swarm.cli", "bootstrap", "--swarm.host_maddrs",
+                             "/ip4/127.0.0.1/tcp/0", "--out", str(tmp_path / "boot")], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = proc.stdout.readline().strip()
         assert line.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/" in line
@@ -92,6 +92,7 @@ def test_run_bootstrap_prints_maddrs_and_stops_on_sigterm():
         peer.shutdown()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
+        assert line in (tmp_path / "boot" / "log.txt").read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
