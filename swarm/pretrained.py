@@ -16,7 +16,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
+import os
 from pathlib import Path
+from typing import Optional
 
 from swarm.config import Config, ModelConfig
 from swarm.errors import UsageError
@@ -25,6 +28,7 @@ WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.index.json")  # weight 
 NOT_CONTENT = ("transformers_version", "_name_or_path")  # config.json keys about the writer, not the model
 PADDING = 512  # an embedding may have up to this many rows more than the tokenizer has tokens (padding)
 PIECE = 2**24
+log = logging.getLogger(__name__)
 
 
 def check_folder(path: str | Path) -> Path:
@@ -52,16 +56,51 @@ def _weight_files(folder: Path) -> list[Path]:
 
 def pretrained_sha256(path: str | Path) -> str:
     """The content hash of the model folder `path`: its config.json (less the keys that name the writer) and the
-    bytes of its weight files, by name. The same for every copy of the folder wherever it lies; computed once per
-    process while the files keep their sizes and modification times."""
+    bytes of its weight files, by name. The same for every copy of the folder wherever it lies. Computed once
+    while the files keep their sizes and modification times, and remembered across starts (`remembered`): a
+    30B folder is 120 GB to read, minutes at every start otherwise."""
     folder = check_folder(path)
     files = [folder / "config.json", *_weight_files(folder)]
     stamp = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
     return _digest(str(folder.resolve()), stamp)
 
 
+def remembered() -> Path:
+    """The file that remembers weight hashes by folder and stamp: $XDG_CACHE_HOME/swarm/weights-sha256.json (by
+    default ~/.cache/swarm/). A folder whose files were written to since has another stamp and is hashed again,
+    as swarm/tokens.py does for token files."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "swarm" / "weights-sha256.json"
+
+
+def _recall(key: str) -> Optional[str]:
+    try:
+        found = json.loads(remembered().read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return found if isinstance(found, str) and len(found) == 64 else None
+
+
+def _remember(key: str, sha256: str) -> None:
+    path = remembered()
+    try:
+        try:
+            known = json.loads(path.read_text())
+        except (OSError, ValueError):
+            known = {}
+        known = {**(known if isinstance(known, dict) else {}), key: sha256}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(dict(list(known.items())[-64:]), indent=1))
+        tmp.replace(path)
+    except OSError as e:  # a read-only home: hashed again at the next start, never trusted unhashed
+        log.warning("cannot remember the hash of %s in %s: %s", key, path, e)
+
+
 @functools.lru_cache(maxsize=8)
 def _digest(folder: str, stamp: tuple) -> str:
+    key = json.dumps([folder, stamp])
+    if (known := _recall(key)) is not None:
+        return known
     digest = hashlib.sha256()
     config = json.loads((Path(folder) / "config.json").read_text())
     digest.update(json.dumps({k: v for k, v in config.items() if k not in NOT_CONTENT}, sort_keys=True).encode())
@@ -70,6 +109,7 @@ def _digest(folder: str, stamp: tuple) -> str:
         with open(Path(folder) / name, "rb") as f:
             while piece := f.read(PIECE):
                 digest.update(piece)
+    _remember(key, digest.hexdigest())
     return digest.hexdigest()
 
 

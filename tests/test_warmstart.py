@@ -85,3 +85,35 @@ def test_a_folder_that_is_not_a_model_or_does_not_fit_the_tokenizer_exits_2_nami
     with pytest.raises(UsageError, match=f"model.pretrained {folder} has 256 embedding rows and data.tokenizer "
                                          "'gpt2' 50257 tokens: they must agree"):
         build_model(warm(folder).model, 50257, "gpt2")
+
+
+def test_the_weights_hash_is_remembered_across_starts_while_the_files_keep_their_stamp(exported, tmp_path):
+    """A 30B folder is 120 GB to read: a peer used to hash it at every start. The hash is now remembered by folder
+    and (size, mtime) of each file: a fresh process given an unchanged folder reads no weight byte (shown here by
+    bytes changed behind the stamp's back), and a file written to since is hashed again."""
+    import os
+    import subprocess
+    import sys
+
+    _, folder = exported
+    copy = shutil.copytree(folder, tmp_path / "copy")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+
+    def hashed() -> str:
+        code = f"from swarm.pretrained import pretrained_sha256; print(pretrained_sha256({str(copy)!r}))"
+        return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                              check=True, timeout=60).stdout.strip()
+
+    first = hashed()
+    assert first == pretrained_sha256(folder)
+    weights = next(copy.glob("*.safetensors"))
+    stat = weights.stat()
+    with open(weights, "r+b") as f:  # the same size and time, other bytes: only a reader of the bytes sees it
+        f.seek(stat.st_size - 1)
+        last = f.read(1)
+        f.seek(stat.st_size - 1)
+        f.write(bytes([last[0] ^ 1]))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert hashed() == first  # remembered: not read again
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    assert hashed() != first  # written to since: hashed again
