@@ -117,3 +117,42 @@ def test_the_weights_hash_is_remembered_across_starts_while_the_files_keep_their
     assert hashed() == first  # remembered: not read again
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
     assert hashed() != first  # written to since: hashed again
+
+
+def test_an_embedding_that_does_not_fit_the_tokenizer_exits_2_through_the_cli(tmp_path, capsys):
+    """A Llama folder of 100 embedding rows given to a run on byte tokens (256): one line naming both, exit 2."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2)).save_pretrained(tmp_path / "small-vocab")
+    with pytest.raises(SystemExit) as exit:
+        main(["peer", "--config", str(ROOT / "configs" / "tiny.yaml"), "--solo", "--out", str(tmp_path / "run"),
+              "--model.pretrained", str(tmp_path / "small-vocab")])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"swarm: error: model.pretrained {tmp_path / 'small-vocab'} has 100 embedding rows and data.tokenizer "
+        f"'bytes' 256 tokens: they must agree (a tokenizer of that model)")
+
+
+@pytest.mark.timeout(120)
+def test_a_run_warm_started_from_another_model_family_trains_and_exports_it(tmp_path):
+    """Export was tested on Llama only: a GPT-2 folder (another architecture, its own weight names) warm-starts a
+    solo run, which trains and exports a GPT-2 folder holding the committed global parameters."""
+    import torch
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    from swarm.checkpoint import Checkpointer
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=128, n_embd=32, n_layer=2, n_head=2)).save_pretrained(
+        tmp_path / "gpt2")
+    cfg = warm(tmp_path / "gpt2", diloco={"rounds": 1, "inner_steps": 3})
+    trainer = Trainer(cfg, SoloAverager(), "a", shard=0, out_dir=tmp_path / "run")
+    trainer.train()
+    assert trainer.history.rounds[-1].eval_loss < trainer.history.initial_eval_loss
+    out = export_hf(tmp_path / "run", tmp_path / "exported")
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.model_type == "gpt2"
+    committed, _ = Checkpointer(tmp_path / "run" / "checkpoint").load_all()
+    exported = dict(model.named_parameters())
+    assert exported and all(torch.equal(p, committed[f"global.{name}"]) for name, p in exported.items())
