@@ -76,6 +76,7 @@ def dry_run(cfg: Config, out: Path, networked: bool, run: Optional[RunIdentity] 
     exit 0 without training. `run`: the identity of the run it joins (`swarm join`), which its own must match.
     `local_peers`: `out` is the folder of a `swarm local` of that many peers, each in its own `peer-<i>/`.
     The memory plan is printed first, on any machine: a machine that cannot hold it then exits 2 naming why."""
+    from peers.prepare import check_prepared
     from swarm.data import load_corpus
     from swarm.metrics import check_available
     from swarm.ranks import check_batch
@@ -83,8 +84,12 @@ def dry_run(cfg: Config, out: Path, networked: bool, run: Optional[RunIdentity] 
     check_batch(cfg, nproc)
     _writable(out, "--out")
     check_available(cfg)
+    if cfg.model.vocab_size is not None:  # the plan first, on any machine and before the data is there
+        memory_plan(cfg, nproc, cfg.model.vocab_size)
+    check_prepared(cfg.data)
     corpus = load_corpus(cfg.data)
-    memory_plan(cfg, nproc, corpus.tokenizer.vocab_size)
+    if cfg.model.vocab_size is None:
+        memory_plan(cfg, nproc, corpus.tokenizer.vocab_size)
     meta = corpus.prepared.meta
     print(f"config: ok (run {cfg.swarm.run_id!r}, {cfg.diloco.rounds} rounds x {cfg.diloco.inner_steps} inner "
           f"steps, delay {cfg.diloco.delay}, {cfg.diloco.fragments} fragment(s))")

@@ -44,6 +44,19 @@ def prepare_command(cfg: DataConfig) -> str:
     return " ".join(["swarm data prepare", *flags])
 
 
+def check_prepared(cfg: DataConfig) -> None:
+    """UsageError (exit 2) with the command that prepares it, if `cfg` names a hub dataset that is not prepared on
+    this machine: a peer never downloads a corpus itself (a recipe naming C4 would otherwise start a download of
+    hundreds of GB, or before this rule train on the embedded toy corpus); a local dataset it prepares first."""
+    from swarm.data import is_local
+
+    if cfg.source != "hf" or is_local(str(cfg.dataset)) or (corpus_folder(cfg) / "meta.json").exists():
+        return
+    raise UsageError(f"data.dataset {cfg.dataset} is not prepared on this machine, and a peer downloads no corpus "
+                     f"itself: prepare it once (it downloads and tokenizes it, for every peer here) with: "
+                     f"{prepare_command(cfg)}")
+
+
 def check_corpus_here(cfg: DataConfig, run_id: str, corpus_sha256: str) -> None:
     """Before `swarm join` starts a peer: if the run's corpus is not prepared here, UsageError (exit 2) saying
     how to get it when its files (or its tokenizer's) are not on this machine; otherwise a line saying that it
@@ -52,6 +65,7 @@ def check_corpus_here(cfg: DataConfig, run_id: str, corpus_sha256: str) -> None:
 
     if (corpus_folder(cfg) / "meta.json").exists():
         return
+    check_prepared(cfg)
     wanted = f"run {run_id!r} trains on corpus sha256 {corpus_sha256[:16] or '?'}"
     for what, name in (("dataset", cfg.dataset if cfg.source == "hf" else None), ("tokenizer", cfg.tokenizer)):
         if name and name != "bytes" and is_local(name) and not Path(name).expanduser().exists():

@@ -202,6 +202,10 @@ def _train(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
     else:
         cfg = load_config(args.config, overrides)
     _check_pretrained(cfg)
+    if not getattr(args, "dry_run", False):  # a dry run says so after the memory plan
+        from peers.prepare import check_prepared
+
+        check_prepared(cfg.data)
     from swarm.ranks import Ranks, check
 
     kind = "local" if args.command == "local" else "peer" if networked else "solo"

@@ -221,7 +221,8 @@ def parser() -> argparse.ArgumentParser:
     what = ("tokenize the corpus of a config into token files where a peer with the same data.* settings looks; "
             "verify it if done")
     prepare = data_sub.add_parser("prepare", parents=common, help=what, description=what)
-    prepare.add_argument("--config", required=True, help="YAML config file; --data.* overrides follow")
+    prepare.add_argument("--config", default=None, help="YAML config file (default: every key at its default); "
+                                                         "--data.* overrides follow")
 
     config = command("config", "configs: `swarm config show` prints a resolved config and its fingerprint")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND",

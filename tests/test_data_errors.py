@@ -8,6 +8,7 @@ import pytest
 from peers.prepare import check_corpus_here, prepare_command
 from swarm.configfile import load_config
 from swarm.errors import UsageError
+from tests.conftest import ROOT
 from tests.test_cli_errors import one_line_error
 
 pytestmark = pytest.mark.timeout(90)
@@ -95,3 +96,24 @@ def test_an_unwritable_cache_folder_exits_2_naming_it(cli, tmp_path, command):
     assert result.returncode == 2
     assert f"error: cannot write prepared corpora in {file / 'cache'} (Not a directory)" in one_line_error(result)
     assert "--data.cache_dir DIR" in one_line_error(result)
+
+
+@pytest.mark.parametrize("recipe", ["llama-150m", "llama-1b", "llama-30b"])
+def test_a_recipe_naming_a_real_corpus_it_cannot_find_exits_2_with_the_command_that_prepares_it(cli, recipe):
+    """The recipes name C4 and LLaMA's tokenizer: a peer on a machine where that corpus is not prepared used to
+    start downloading it (or, before, trained on the embedded toy corpus, which the recipes named); it now exits 2
+    with the `swarm data prepare` command, which prepares exactly the corpus the peer looks for."""
+    from swarm import cliargs
+    from swarm.tokens import corpus_key
+
+    result = cli("peer", "--config", f"configs/{recipe}.yaml", "--solo")
+    assert result.returncode == 2
+    line = one_line_error(result)
+    assert line.startswith("swarm: error: data.dataset allenai/c4 is not prepared on this machine, and a peer "
+                           "downloads no corpus itself: prepare it once (it downloads and tokenizes it, for every peer "
+                           "here) with: swarm data prepare ")
+    args, rest = cliargs.parse(line.split(" with: swarm ")[1].split())
+    assert (args.command, args.data_command, args.config) == ("data", "prepare", None)
+    recipe_cfg = load_config(ROOT / "configs" / f"{recipe}.yaml")
+    assert corpus_key(load_config(None, rest).data) == corpus_key(recipe_cfg.data)
+    assert recipe_cfg.data.source == "hf" and recipe_cfg.model.vocab_size == 32000
