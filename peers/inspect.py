@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import yaml
 
-from swarm.config import Config, is_per_peer, per_peer_keys
+from swarm.config import CORPUS_LOCATION_KEYS, Config, is_per_peer, per_peer_keys
 from swarm.errors import SwarmError, UsageError
 from swarm.runid import RunIdentity, run_identity, weights_sha256
 
@@ -35,7 +35,8 @@ def show_config(cfg: Config, path: Optional[str], overrides: list[str]) -> str:
         whole = is_per_peer(section)
         lines.append(f"{section}:{'  # per peer' if whole else ''}")
         for key, value in values.items():
-            mark = "  # per peer" if is_per_peer(f"{section}.{key}") and not whole else ""
+            mark = ("  # per peer" if is_per_peer(f"{section}.{key}") and not whole else
+                    "  # where this copy lies" if f"{section}.{key}" in CORPUS_LOCATION_KEYS else "")
             lines.append(f"  {key}: {_value(value)}{mark}")
     shared = run_identity_if_prepared(cfg)
     lines.append(f"# per peer (each peer's own, not part of the run): {', '.join(per_peer_keys())}")
@@ -43,7 +44,8 @@ def show_config(cfg: Config, path: Optional[str], overrides: list[str]) -> str:
         lines.append("# fingerprint: needs the prepared corpus (`swarm data prepare` with this config; a peer "
                      "prepares it at start)")
     else:
-        lines.append(f"# fingerprint: {shared.fingerprint} (the run config above without the per-peer keys, "
+        lines.append(f"# fingerprint: {shared.fingerprint} (the run config above without the per-peer keys and "
+                     f"where the corpus lies, "
                      f"corpus sha256 {shared.corpus_sha256[:16]}, initial weights "
                      f"{shared.weights_sha256[:16] if shared.weights_sha256 else 'a seeded random init'})")
     return "\n".join(lines)

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import yaml
 from hivemind.utils.timed_storage import get_dht_time
 
-from swarm.config import Config, SwarmConfig, is_per_peer, live_window, per_peer_keys
+from swarm.config import CORPUS_LOCATION_KEYS, Config, SwarmConfig, is_per_peer, joinable_keys, live_window
 from swarm.configfile import config_from_dict, load_config, parse_overrides
 from swarm.errors import SwarmError, UsageError
 from swarm.net import policy, schema
@@ -74,9 +74,9 @@ def check_overrides(run_id: str, overrides: list[str]) -> dict[str, Any]:
         raise UsageError(f"swarm join takes no --config: the config of run {run_id!r} comes from its manifest")
     parsed = parse_overrides(overrides)
     for key in _leaves(parsed):
-        if not is_per_peer(key) and key not in DEMANDS:
+        if not is_per_peer(key) and key not in DEMANDS and key not in CORPUS_LOCATION_KEYS:
             raise UsageError(f"cannot override {key} when joining run {run_id!r}: it is fixed by the run's "
-                             f"manifest (a joiner may set only {', '.join(per_peer_keys())})")
+                             f"manifest (a joiner may set only {', '.join(joinable_keys())})")
     return parsed
 
 

@@ -69,8 +69,10 @@ def check_corpus_here(cfg: DataConfig, run_id: str, corpus_sha256: str) -> None:
     wanted = f"run {run_id!r} trains on corpus sha256 {corpus_sha256[:16] or '?'}"
     for what, name in (("dataset", cfg.dataset if cfg.source == "hf" else None), ("tokenizer", cfg.tokenizer)):
         if name and name != "bytes" and is_local(name) and not Path(name).expanduser().exists():
-            raise UsageError(f"{wanted}, from {what} {name}, which is not on this machine: copy it to {name} (the "
-                             f"path is the run's) and join again, or prepare it ahead with: {prepare_command(cfg)}")
+            raise UsageError(f"{wanted}, from {what} {name}, which is not on this machine: join with "
+                             f"--data.{'dataset' if what == 'dataset' else 'tokenizer'} PATH, this machine's copy of "
+                             f"it (any path: the run checks its content), or copy it to {name}, or prepare it ahead "
+                             f"with: {prepare_command(cfg)}")
     source = "the embedded corpus" if cfg.source == "embedded" else f"dataset {cfg.dataset}"
     log.info("%s, from %s, not prepared here yet: preparing it first (as `%s` does)", wanted, source,
              prepare_command(cfg))

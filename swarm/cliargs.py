@@ -16,7 +16,7 @@ import argparse
 from importlib import metadata
 from typing import Optional
 
-from swarm.config import per_peer_keys
+from swarm.config import joinable_keys
 from swarm.errors import UsageError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -153,8 +153,8 @@ def parser() -> argparse.ArgumentParser:
     _peer_options(peer, "peer")
 
     join = command("join", "run one training peer in a run found by name: its config comes from the DHT")
-    join.epilog = ("config overrides a joiner may pass (each peer's own; every other key is the run's): "
-                   + ", ".join(per_peer_keys()))
+    join.epilog = ("config overrides a joiner may pass (each peer's own, and where its copy of the run's corpus "
+                   "lies; every other key is the run's): " + ", ".join(joinable_keys()))
     join.add_argument("run", help="the run's id (swarm.run_id); `swarm runs` lists them")
     join.add_argument("--config", action=_NoConfig, help=argparse.SUPPRESS)
     _network(join, peers_required=True)

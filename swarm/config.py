@@ -299,6 +299,15 @@ to float rounding); `inner.precision` changes the step's arithmetic, so it is th
 bounds only this peer's own start-up on its own link."""
 
 
+CORPUS_LOCATION_KEYS = frozenset({"data.dataset", "data.dataset_config", "data.split", "data.text_field",
+                                  "data.streaming", "data.tokenizer"})
+"""Keys that say where this peer's copy of the run's corpus lies and how to read it, not what it holds: the run
+pins the content instead (the prepared corpus's hash, swarm/runid.py), so they are left out of the run's
+fingerprint, and a copy anywhere joins (`--data.dataset /my/copy`) while a copy that tokenizes to other tokens is
+refused with both hashes. The run's manifest keeps its starter's values, as where to find the corpus: `swarm join`
+starts from them and takes this peer's own."""
+
+
 def is_per_peer(key: str) -> bool:
     """Whether dotted `key` (e.g. "checkpoint.dir") is one of PER_PEER_KEYS or inside one of its sections."""
     return key in PER_PEER_KEYS or key.partition(".")[0] in PER_PEER_KEYS
@@ -307,6 +316,12 @@ def is_per_peer(key: str) -> bool:
 def per_peer_keys() -> list[str]:
     """PER_PEER_KEYS as a user reads them: dotted keys, and `section.*` for a whole section."""
     return sorted(k if "." in k else f"{k}.*" for k in PER_PEER_KEYS)
+
+
+def joinable_keys() -> list[str]:
+    """What `swarm join` lets a peer set: its own keys, and where its copy of the run's corpus lies (its content
+    must be the run's: CORPUS_LOCATION_KEYS)."""
+    return sorted([*per_peer_keys(), *CORPUS_LOCATION_KEYS])
 
 
 def shared_config(cfg: Config) -> dict[str, dict]:

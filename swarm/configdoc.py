@@ -78,8 +78,10 @@ def reference() -> str:
     out = ["# Configuration reference", "",
            "Generated from `swarm/config.py` by `python -m swarm.configdoc > docs/config.md` (a test checks it is "
            "current). A config file sets these keys by section; any command takes them as dotted overrides "
-           "(`--inner.lr 3e-4` or `inner.lr=3e-4`). Keys marked *peer* are each peer's own business; the "
-           "others are the run's (a run's manifest holds them and `swarm join` takes them from it).", ""]
+           "(`--inner.lr 3e-4` or `inner.lr=3e-4`). Keys marked *peer* are each peer's own business; keys "
+           "marked *copy* say where this peer's copy of the run's corpus lies (the run pins the corpus's content "
+           "hash instead: a joiner starts from the manifest's and may set its own); the others are the run's (a "
+           "run's manifest holds them and `swarm join` takes them from it).", ""]
     section = None
     for key in keys():
         if key.section != section:
@@ -87,7 +89,8 @@ def reference() -> str:
             doc = " ".join((getattr(config.Config(), section).__doc__ or "").split())
             out += ["", f"## {section}", "", *([doc, ""] if doc and not doc.startswith(section.title()) else []),
                     "| key | type | default | meaning |", "|---|---|---|---|"]
-        peer = " *peer*" if config.is_per_peer(key.dotted) else ""
+        peer = (" *peer*" if config.is_per_peer(key.dotted) else
+                " *copy*" if key.dotted in config.CORPUS_LOCATION_KEYS else "")
         cells = [f"`{key.dotted}`{peer}", f"`{key.type}`", f"`{key.default}`", key.meaning]
         out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(out) + "\n"

@@ -1,7 +1,8 @@
 """One run identity: what every peer of a run shares, and its fingerprint.
 
 A run is its config without the per-peer keys (`config.shared_config`: model, data, inner and outer
-optimizers, the DiLoCo schedule with its delay and fragments, the swarm's rules and timings), the content of
+optimizers, the DiLoCo schedule with its delay and fragments, the swarm's rules and timings) and without where
+its corpus lies (`config.CORPUS_LOCATION_KEYS`: a dataset's path or hub name, its tokenizer's), the content of
 its prepared corpus (the sha256 of its token files, swarm/tokens.py meta.json) and, for a run that starts
 from `model.pretrained`, the content of those initial weights. The fingerprint hashes all three: two peers
 average together only if they hold the same. Each peer signs the fingerprint it runs (`{run}_run`, swarm/net/
@@ -16,7 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from swarm.config import Config, shared_config
+from swarm.config import CORPUS_LOCATION_KEYS, Config, shared_config
 from swarm.pretrained import pretrained_sha256
 
 
@@ -28,14 +29,14 @@ class RunIdentity:
 
     @property
     def fingerprint(self) -> str:
-        blob = json.dumps({"config": self.config, "corpus": self.corpus_sha256, "weights": self.weights_sha256},
-                          sort_keys=True)
+        blob = json.dumps({"config": _without_location(self.config), "corpus": self.corpus_sha256,
+                           "weights": self.weights_sha256}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def first_difference(self, run: RunIdentity) -> Optional[str]:
-        """A line naming the first part of this identity that differs from `run`'s (config keys in order), or
-        None if both are the same."""
-        mine, theirs = _leaves(self.config), _leaves(run.config)
+        """A line naming the first part of this identity that differs from `run`'s (config keys in order, less
+        where the corpus lies: its content is compared instead), or None if both are the same."""
+        mine, theirs = _leaves(_without_location(self.config)), _leaves(_without_location(run.config))
         for key in sorted(set(mine) | set(theirs)):
             here, there = mine.get(key, _MISSING), theirs.get(key, _MISSING)
             if here != there:
@@ -53,6 +54,12 @@ class RunIdentity:
 
 
 _MISSING = object()
+
+
+def _without_location(config: dict[str, dict]) -> dict[str, dict]:
+    """`config` less config.CORPUS_LOCATION_KEYS: where a copy of the corpus lies is no part of the run."""
+    return {section: {k: v for k, v in values.items() if f"{section}.{k}" not in CORPUS_LOCATION_KEYS}
+            for section, values in config.items()}
 
 
 def _show(value: Any) -> str:

@@ -12,7 +12,7 @@ import pytest
 from peers.folder import claim
 from swarm import cliargs
 from swarm.cli import main
-from swarm.config import Config, per_peer_keys
+from swarm.config import Config, joinable_keys
 from swarm.configfile import load_config
 from swarm.errors import UsageError
 from tests.conftest import ROOT, CliResult
@@ -133,7 +133,7 @@ def test_every_command_s_help_says_what_it_does_and_its_flags_mean_one_thing(com
     if command[0] in ("peer", "join", "sim", "local"):
         assert "--fresh" in result.stdout and "--dry-run" in result.stdout
     if command == ["join"]:
-        assert all(key in " ".join(result.stdout.split()) for key in per_peer_keys())
+        assert all(key in " ".join(result.stdout.split()) for key in joinable_keys())
 
 
 def test_version_and_help(run):

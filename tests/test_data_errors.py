@@ -78,8 +78,8 @@ def test_a_joiner_without_the_run_s_corpus_is_told_how_to_get_it(tmp_path):
         check_corpus_here(cfg, "run-x", "ab" * 32)
     assert str(refused.value) == (
         f"run 'run-x' trains on corpus sha256 {'ab' * 8}, from dataset {tmp_path / 'corpus'}, which is not on this "
-        f"machine: copy it to {tmp_path / 'corpus'} (the path is the run's) and join again, or prepare it ahead "
-        f"with: {prepare_command(cfg)}")
+        f"machine: join with --data.dataset PATH, this machine's copy of it (any path: the run checks its content), "
+        f"or copy it to {tmp_path / 'corpus'}, or prepare it ahead with: {prepare_command(cfg)}")
     assert prepare_command(cfg) == (f"swarm data prepare --data.source hf --data.dataset {tmp_path / 'corpus'} "
                                     f"--data.seed 3 --data.cache_dir {tmp_path / 'cache'}")
     lines(tmp_path)

@@ -155,7 +155,11 @@ def test_join_overrides_only_per_peer_keys():
         check_overrides("r", ["--diloco.threads", "2", "--model.hidden_size", "64"])
     with pytest.raises(UsageError) as refused:  # the keys it takes, listed, not a Python name
         check_overrides("r", ["--inner.lr", "3e-4"])
-    assert "a joiner may set only checkpoint.*, data.cache_dir, data.prepare_workers, data.shard, diloco.device," in str(refused.value)
+    assert ("a joiner may set only checkpoint.*, data.cache_dir, data.dataset, data.dataset_config, "
+            "data.prepare_workers, data.shard, data.split, data.streaming, data.text_field, data.tokenizer, "
+            "diloco.device,") in str(refused.value)
+    # where its copy of the corpus lies: the content is the run's (its hash), the path its own
+    assert check_overrides("r", ["--data.dataset", "/my/copy"]) == {"data": {"dataset": "/my/copy"}}
     assert "PER_PEER_KEYS" not in str(refused.value)
     with pytest.raises(UsageError, match="swarm join takes no --config"):
         check_overrides("r", ["--config", "configs/tiny.yaml"])

@@ -5,7 +5,7 @@ import copy
 
 import pytest
 
-from swarm.config import shared_config
+from swarm.config import CORPUS_LOCATION_KEYS, shared_config
 from swarm.errors import UsageError
 from swarm.runid import RunIdentity, run_identity, weights_sha256
 from tests.conftest import tiny_config
@@ -32,6 +32,9 @@ def test_every_run_key_is_in_the_fingerprint_and_a_difference_names_it():
         other = copy.deepcopy(run.config)
         other[section][key] = _changed(other[section][key])
         theirs = RunIdentity(other, "c0ffee")
+        if f"{section}.{key}" in CORPUS_LOCATION_KEYS:  # where the corpus lies: its content is the run's instead
+            assert theirs.fingerprint == run.fingerprint and theirs.first_difference(run) is None, f"{section}.{key}"
+            continue
         assert theirs.fingerprint != run.fingerprint, f"{section}.{key}"
         assert theirs.first_difference(run).startswith(f"{section}.{key} is "), f"{section}.{key}"
     fragments = RunIdentity(shared_config(tiny_config(diloco={"fragments": 2})), "c0ffee")
@@ -72,3 +75,25 @@ def test_the_corpus_and_the_initial_weights_are_part_of_the_run(tmp_path):
 def test_delay_auto_resolves_before_the_fingerprint(fragments, steps, delay):
     cfg = tiny_config(diloco={"fragments": fragments, "inner_steps": steps, "delay": "auto"})
     assert cfg.diloco.delay == delay and shared_config(cfg)["diloco"]["delay"] == delay
+
+
+@pytest.mark.timeout(120)
+def test_a_copy_of_the_corpus_anywhere_is_the_run_s_and_another_corpus_is_refused_with_both_hashes(tmp_path):
+    """The run names its corpus by content: a peer whose copy lies at another path (another machine's folder) is
+    the same run; a copy that differs (its first line changed) is refused, naming both hashes."""
+    lines = [f"line {i}: the quick brown fox jumps over {i % 7} lazy dogs" for i in range(200)]
+    for where, text in [("a/corpus", lines), ("b/elsewhere/mine", lines), ("c/corpus", ["changed", *lines[1:]])]:
+        (tmp_path / where).mkdir(parents=True)
+        (tmp_path / where / "part.txt").write_text("\n".join(text) + "\n")
+
+    def identity(where: str) -> RunIdentity:
+        return run_identity(tiny_config(data={"source": "hf", "dataset": str(tmp_path / where),
+                                              "cache_dir": str(tmp_path / "cache")}))
+
+    run, copy_, other = identity("a/corpus"), identity("b/elsewhere/mine"), identity("c/corpus")
+    assert copy_.corpus_sha256 == run.corpus_sha256 and copy_.fingerprint == run.fingerprint
+    assert copy_.first_difference(run) is None
+    assert other.fingerprint != run.fingerprint
+    assert other.first_difference(run) == (f"the prepared corpus differs (sha256 {other.corpus_sha256[:16]} here, "
+                                           f"{run.corpus_sha256[:16]} in the run: another dataset, tokenizer or "
+                                           f"version of it)")
