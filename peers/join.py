@@ -80,6 +80,13 @@ def check_overrides(run_id: str, overrides: list[str]) -> dict[str, Any]:
     return parsed
 
 
+def probe_config(own: SwarmConfig, run_id: str) -> SwarmConfig:
+    """A short-lived DHT client of run `run_id` that only reads (the manifest, who is live) and fetches: a fresh
+    key, and any free port (the peer's own DHT binds the chosen ones right after)."""
+    return dataclasses.replace(own, run_id=run_id, client_mode=True, identity=None, announce_maddrs=[],
+                               host_maddrs=[re.sub(r"/(tcp|udp)/\d+", r"/\1/0", m) for m in own.host_maddrs])
+
+
 def joined_config(run_id: str, initial_peers: list[str], overrides: list[str]) -> tuple[Config, RunIdentity]:
     """The config `swarm join` starts its peer with (the run's manifest plus this peer's overrides), and the
     run's identity as its manifest gives it."""
@@ -88,9 +95,7 @@ def joined_config(run_id: str, initial_peers: list[str], overrides: list[str]) -
     parsed = check_overrides(run_id, overrides)
     _merge(parsed, {"swarm": {"initial_peers": list(initial_peers)}})
     own = load_config(None, {"swarm": parsed["swarm"]}).swarm  # addresses and bootstrap_timeout, checked
-    # The probe only reads: a fresh key, and any free port (the peer's DHT binds the chosen ones right after).
-    probe = dataclasses.replace(own, run_id=run_id, client_mode=True, identity=None, announce_maddrs=[],
-                                host_maddrs=[re.sub(r"/(tcp|udp)/\d+", r"/\1/0", m) for m in own.host_maddrs])
+    probe = probe_config(own, run_id)
     dht = start_dht(probe)
     try:
         choice = fetch_manifest(dht, run_id, probe.initial_peers, probe.bootstrap_timeout, own.identity_work)

@@ -103,6 +103,7 @@ def _run_endpoint(cfg: Config, out_dir: Path, name: Optional[str], ranks: Ranks)
     from swarm.net.peer import SwarmAverager
     from swarm.progress import Progress
     from swarm.runid import run_identity
+    from swarm.tokens import corpus_folder
 
     start = time.time()
     raise_open_files()  # every incoming stream is a file descriptor (swarm/net/limits.py)
@@ -134,6 +135,7 @@ def _run_endpoint(cfg: Config, out_dir: Path, name: Optional[str], ranks: Ranks)
         print("\n".join(maddrs), flush=True)
         averager = SwarmAverager(cfg.swarm, dht, identity, run.fingerprint, name, exchange_faults(cfg),
                                  Ledger(out_dir / "ledger.json"))
+        averager.corpus.offer(corpus_folder(cfg.data))  # to peers that fetch it (swarm/net/corpussync.py)
         ranks.share((name, peer_id))
         leases = None  # data.shard unset: the shard is leased through the DHT (swarm/net/leases.py)
         if cfg.data.shard is None:

@@ -57,22 +57,28 @@ def check_prepared(cfg: DataConfig) -> None:
                      f"{prepare_command(cfg)}")
 
 
-def check_corpus_here(cfg: DataConfig, run_id: str, corpus_sha256: str) -> None:
-    """Before `swarm join` starts a peer: if the run's corpus is not prepared here, UsageError (exit 2) saying
-    how to get it when its files (or its tokenizer's) are not on this machine; otherwise a line saying that it
-    will be prepared first (what `prepare_command` would do)."""
+def check_corpus_here(cfg: DataConfig, run_id: str, corpus_sha256: str, dry_run: bool = False) -> bool:
+    """Before `swarm join` starts a peer: whether the run's corpus must be fetched from its peers (True:
+    peers/corpus_fetch.py), because it is not prepared here and its dataset is not here either (a hub name, or a
+    path this machine lacks). False: it is prepared, or it will be prepared here first (a line says so). UsageError
+    (exit 2) naming what to do if the tokenizer's files are not here (they are not fetched), or with `dry_run`
+    (which fetches nothing) if the corpus would be fetched."""
     from swarm.data import is_local
 
     if (corpus_folder(cfg) / "meta.json").exists():
-        return
-    check_prepared(cfg)
+        return False
     wanted = f"run {run_id!r} trains on corpus sha256 {corpus_sha256[:16] or '?'}"
-    for what, name in (("dataset", cfg.dataset if cfg.source == "hf" else None), ("tokenizer", cfg.tokenizer)):
-        if name and name != "bytes" and is_local(name) and not Path(name).expanduser().exists():
-            raise UsageError(f"{wanted}, from {what} {name}, which is not on this machine: join with "
-                             f"--data.{'dataset' if what == 'dataset' else 'tokenizer'} PATH, this machine's copy of "
-                             f"it (any path: the run checks its content), or copy it to {name}, or prepare it ahead "
-                             f"with: {prepare_command(cfg)}")
-    source = "the embedded corpus" if cfg.source == "embedded" else f"dataset {cfg.dataset}"
-    log.info("%s, from %s, not prepared here yet: preparing it first (as `%s` does)", wanted, source,
-             prepare_command(cfg))
+    if cfg.tokenizer != "bytes" and is_local(cfg.tokenizer) and not Path(cfg.tokenizer).expanduser().exists():
+        raise UsageError(f"{wanted}, tokenized by {cfg.tokenizer}, which is not on this machine: join with "
+                         f"--data.tokenizer PATH, this machine's copy of it")
+    here = cfg.source == "embedded" or (is_local(str(cfg.dataset)) and Path(str(cfg.dataset)).expanduser().exists())
+    if here:
+        source = "the embedded corpus" if cfg.source == "embedded" else f"dataset {cfg.dataset}"
+        log.info("%s, from %s, not prepared here yet: preparing it first (as `%s` does)", wanted, source,
+                 prepare_command(cfg))
+        return False
+    if dry_run:
+        raise UsageError(f"{wanted}, from dataset {cfg.dataset}, which is not on this machine: a join fetches it "
+                         f"from the run's peers, a dry run fetches nothing (or join with --data.dataset PATH, this "
+                         f"machine's copy of it, or prepare it ahead with: {prepare_command(cfg)})")
+    return True

@@ -107,7 +107,10 @@ def _join(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
     _check_pretrained(cfg)
     from peers.prepare import check_corpus_here
 
-    check_corpus_here(cfg.data, args.run, run.corpus_sha256)
+    if check_corpus_here(cfg.data, args.run, run.corpus_sha256, args.dry_run):
+        from peers.corpus_fetch import fetch_corpus
+
+        fetch_corpus(cfg, run)
     if args.dry_run:
         from peers.inspect import dry_run
 

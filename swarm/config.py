@@ -144,6 +144,9 @@ class SwarmConfig:
     data_port: int = 0
     """The TCP port of the data plane (0: any free port): the second port to open in a firewall; a groupmate that
     cannot reach it falls back to libp2p (slower, nothing lost)."""
+    corpus_rate: float = 25e6
+    """Bytes/s this peer sends its prepared corpus to each peer that fetches it (`swarm join` on a machine without
+    it; swarm/net/corpussync.py, at most 2 at once): the cap that keeps serving data from slowing its rounds."""
     identity: Optional[str] = None
     """This peer's key file (created if missing): its peer id and the signature on its DHT records
     (swarm/net/identity.py). None: `identity.key` in the peer's folder, so that a restart keeps its peer id and
@@ -286,7 +289,7 @@ PER_PEER_KEYS = frozenset({
     "inner.micro_batch_size", "inner.activation_checkpointing", "inner.parallel",
     "data.shard", "data.cache_dir", "data.prepare_workers", "model.pretrained",
     "swarm.identity", "swarm.host_maddrs", "swarm.announce_maddrs", "swarm.client_mode", "swarm.initial_peers",
-    "swarm.bootstrap_timeout", "swarm.data_plane", "swarm.data_port",
+    "swarm.bootstrap_timeout", "swarm.data_plane", "swarm.data_port", "swarm.corpus_rate",
     "checkpoint", "logging", "faults",
 })
 """Keys (dotted, or a whole section) that are this peer's own business: where and how fast it computes, its

@@ -113,7 +113,7 @@ class Prepared:
         if _digest(self.folder) != self.meta["sha256"]:
             raise SwarmError(f"prepared corpus {self.folder} fails its hash (tampered or damaged): delete it to "
                              "prepare it again")
-        _write_stamp(self.folder)
+        write_stamp(self.folder)
 
     def check(self) -> None:
         """Re-hash the token files only if they changed since they were hashed (size or modification time differ
@@ -153,7 +153,8 @@ def _stamp(folder: Path) -> dict:
             for split in SPLITS}
 
 
-def _write_stamp(folder: Path) -> None:
+def write_stamp(folder: Path) -> None:
+    """Note the token files' sizes and modification times as hashed (`verified.json`)."""
     try:
         tmp = folder / "verified.json.tmp"
         tmp.write_text(json.dumps(_stamp(folder)))
@@ -238,7 +239,7 @@ def _write(folder: Path, cfg: DataConfig, tokenizer, documents, is_eval, progres
         with open(path, "rb") as f:
             os.fsync(f.fileno())
     partial.rename(folder)
-    _write_stamp(folder)
+    write_stamp(folder)
     log.info("prepared %d documents, %d tokens in %.1fs: %s", counts["documents"], counts["tokens"],
              time.perf_counter() - start, folder)
 

@@ -71,20 +71,28 @@ def test_fewer_shards_than_the_peers_that_need_one_exits_2(cli, command):
     assert "need" in one_line_error(result) and "data.num_shards is 2" in one_line_error(result)
 
 
-def test_a_joiner_without_the_run_s_corpus_is_told_how_to_get_it(tmp_path):
+def test_a_joiner_without_the_run_s_corpus_fetches_it_or_is_told_how_to_get_it(tmp_path):
+    """A joiner whose dataset is not here fetches the corpus from the run's peers (peers/corpus_fetch.py); one whose
+    tokenizer is not here, or a dry run (which fetches nothing), is told what to do; one whose dataset is here
+    prepares it first."""
     cfg = load_config("configs/tiny.yaml", {"data": {"source": "hf", "dataset": str(tmp_path / "corpus"),
                                                      "cache_dir": str(tmp_path / "cache"), "seed": 3}}).data
+    assert check_corpus_here(cfg, "run-x", "ab" * 32) is True
     with pytest.raises(UsageError) as refused:
-        check_corpus_here(cfg, "run-x", "ab" * 32)
+        check_corpus_here(cfg, "run-x", "ab" * 32, dry_run=True)
     assert str(refused.value) == (
         f"run 'run-x' trains on corpus sha256 {'ab' * 8}, from dataset {tmp_path / 'corpus'}, which is not on this "
-        f"machine: join with --data.dataset PATH, this machine's copy of it (any path: the run checks its content), "
-        f"or copy it to {tmp_path / 'corpus'}, or prepare it ahead with: {prepare_command(cfg)}")
+        f"machine: a join fetches it from the run's peers, a dry run fetches nothing (or join with --data.dataset "
+        f"PATH, this machine's copy of it, or prepare it ahead with: {prepare_command(cfg)})")
     assert prepare_command(cfg) == (f"swarm data prepare --data.source hf --data.dataset {tmp_path / 'corpus'} "
                                     f"--data.seed 3 --data.cache_dir {tmp_path / 'cache'}")
+    tok = load_config("configs/tiny.yaml", {"data": {"tokenizer": str(tmp_path / "tok")}}).data
+    with pytest.raises(UsageError, match=f"tokenized by {tmp_path / 'tok'}, which is not on this machine: join with "
+                                         f"--data.tokenizer PATH"):
+        check_corpus_here(tok, "run-x", "ab" * 32)
     lines(tmp_path)
     (tmp_path / "txt").rename(tmp_path / "corpus")
-    check_corpus_here(cfg, "run-x", "ab" * 32)  # on this machine: it is prepared first, as the command would
+    assert check_corpus_here(cfg, "run-x", "ab" * 32) is False  # on this machine: prepared first, as the command would
 
 
 @pytest.mark.parametrize("command", [["data", "prepare"], ["peer", "--solo", "--dry-run"]])

@@ -1,9 +1,14 @@
 """Run manifests, `swarm join RUN` and `swarm runs`: the per-peer keys, the manifest's checks, and a real
 joiner that starts from the DHT alone and ends on the creator's parameters."""
 
+import contextlib
 import dataclasses
 import json
+import os
+import random
+import signal
 import time
+from pathlib import Path
 
 import pytest
 from hivemind.dht.routing import DHTID
@@ -250,3 +255,69 @@ def test_a_peer_joins_by_run_name_and_ends_on_the_creators_parameters(tmp_path, 
     assert summaries[1]["round_hashes"] == summaries[0]["round_hashes"]  # averaged together, round by round
     creator_cfg, joiner_cfg = (_shared_leaves(config_from_dict(c)) for c in configs)
     assert joiner_cfg == creator_cfg and joiner_cfg["model.hidden_size"] == 32  # SMALL's, not Config()'s 64
+
+
+def _pieces_fetched(cache: Path) -> int:
+    """How many pieces the fetch under `cache` noted so far (swarm/net/corpussync.py `have.json`)."""
+    for noted in cache.glob("*.fetch/have.json"):
+        with contextlib.suppress(OSError, ValueError):
+            return len(json.loads(noted.read_text())["have"])
+    return 0
+
+
+@pytest.mark.timeout(240)
+def test_a_joiner_on_a_bare_machine_fetches_the_corpus_from_the_run_and_goes_on_after_a_kill(tmp_path, fork_server):
+    """Peer A prepares a corpus from text under one path and starts a run. B, as on another machine, has an empty
+    data folder and an empty cache: `swarm join RUN --data.dataset <its empty data folder>` fetches A's token
+    files (A sends at most 3 MB/s), is killed mid-fetch, runs the same command again, goes on from the pieces it
+    had, and trains with A to the same final hash, on A's corpus (same content hash)."""
+    text = tmp_path / "a" / "corpus"
+    text.mkdir(parents=True)
+    words = [f"w{i}" for i in range(500)]
+    rng = random.Random(0)
+    (text / "part.txt").write_text("\n".join(" ".join(rng.choice(words) for _ in range(1000)) for _ in range(1600)))
+    data = ["--data.source", "hf", "--data.dataset", str(text), "--data.max_documents", "1600"]
+    hold = tmp_path / "hold"
+    hold.touch()
+    held = ["--faults.hold_round", "1", "--faults.hold_file", str(hold)]
+    rounds = ["--diloco.rounds", "2", "--diloco.inner_steps", "3", "--swarm.target_group_size", "2",
+              "--swarm.min_group_size", "2"]
+    with local_swarm(tmp_path, fork_server) as swarm:
+        maddr = swarm.start_bootstrap()
+        creator = swarm.start_peer("creator", *rounds, *held, *data, "--data.cache_dir", str(tmp_path / "cache-a"),
+                                   "--swarm.corpus_rate", "3e6")
+        out, cache, empty = tmp_path / "joiner", tmp_path / "cache-b", tmp_path / "b" / "data"
+        empty.mkdir(parents=True)
+        argv = ["join", "swarm-tiny", "--initial-peers", maddr, "--name", "joiner", "--out", str(out),
+                "--data.dataset", str(empty / "corpus"), "--data.cache_dir", str(cache), "--diloco.threads", "1",
+                "--logging.progress_bar", "false",
+                "--swarm.bootstrap_timeout", "30", "--swarm.host_maddrs", "/ip4/127.0.0.1/tcp/0", *held]
+        first = spawn_child(fork_server, "joiner", argv, tmp_path / "first.log", tmp_path)
+        swarm.children.append(first)
+        wait_until(lambda: _pieces_fetched(cache) >= 1, 60, first, swarm, "first.log")
+        os.killpg(first.proc.pid, signal.SIGKILL)  # killed mid-fetch
+        first.proc.wait()
+        had = _pieces_fetched(cache)
+        again = spawn_child(fork_server, "joiner", argv, out / "log.txt", out)
+        swarm.children.append(again)
+        wait_until(lambda: "joined run 'swarm-tiny'" in swarm.log(again), 90, again, swarm)
+        hold.unlink()
+        swarm.wait([creator, again], timeout=120)
+        for peer in (creator, again):
+            assert peer.proc.returncode == 0, swarm.log(peer)[-3000:]
+        summaries = [swarm.summary(p) for p in (creator, again)]
+        log = swarm.log(again)
+
+    assert 1 <= had < 4, had  # 4 MB pieces: ~13 MB of train and eval tokens
+    assert f"going on with the {had} piece(s) fetched before" in log
+    metas = [json.loads(next((tmp_path / c).glob("*/meta.json")).read_text()) for c in ("cache-a", "cache-b")]
+    assert metas[0]["sha256"] == metas[1]["sha256"] and metas[1]["fetched_from"]
+    assert summaries[0]["rounds_completed"] == summaries[1]["rounds_completed"] == 2
+    assert summaries[0]["final_global_sha256"] == summaries[1]["final_global_sha256"]
+
+
+def wait_until(done, timeout: float, child, swarm, log: str = "log.txt") -> None:
+    deadline = time.time() + timeout
+    while not done():
+        assert time.time() < deadline and child.proc.poll() is None, (child.out_dir / log).read_text()[-3000:]
+        time.sleep(0.2)

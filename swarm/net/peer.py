@@ -54,6 +54,7 @@ from swarm.net.access import Access
 from swarm.net.allreduce import CONCLUSIVE, PROOF, AllReduce, AllReduceFailed, Contribution, Rule, WireLayout
 from swarm.net.budget import chunk_elements, round_deadline
 from swarm.net.codec import get_codec
+from swarm.net.corpussync import CorpusServer
 from swarm.net.dataplane import DataPlane, hosts_of
 from swarm.net.dht import allowed_peers
 from swarm.net.grouping import Offenses, OtherBase, adopted, agreed_chunk, clients, dialable, on_majority_base, without
@@ -112,6 +113,8 @@ class SwarmAverager(Averager):
                                        Rule.of(cfg), self.access, self.hooks, identity, plane)
             self.server = StateServer(self.p2p, name("state"), cfg.stall_timeout, self._pool, self.access,
                                       self.hooks)
+            self.corpus = CorpusServer(self.p2p, name("corpus"), cfg.stall_timeout, self._pool, self.access,
+                                       cfg.corpus_rate)  # offered the corpus once it is known (node.py)
             # our records' subkey is our owner marker: we sign them
             self.records = Records(cfg, dht, self.peer_id, peer_name, identity.owner, self.access, self.hooks,
                                    self.server, identity.work, ledger)
@@ -144,6 +147,7 @@ class SwarmAverager(Averager):
         if not self.cfg.client_mode:
             await self.allreduce.start()
             await self.server.start()
+            await self.corpus.start()
 
     # ---- records --------------------------------------------------------------------------------------
 
@@ -384,6 +388,7 @@ class SwarmAverager(Averager):
         if hasattr(self, "server") and not self.cfg.client_mode:
             await self.allreduce.stop()
             await self.server.stop()
+            await self.corpus.stop()
         if hasattr(self, "p2p"):
             await self.p2p.shutdown()  # a replica: closes our client, the DHT's daemon keeps running
         others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]

@@ -1,0 +1,97 @@
+"""The corpus fetch's pure parts (swarm/net/corpussync.py): a donor's manifest checked for shape, pieces kept
+across a restart, and the whole checked against the run's corpus hash before it is put in place."""
+
+import hashlib
+
+import pytest
+
+from swarm.configfile import load_config
+from swarm.data import load_corpus
+from swarm.net.corpussync import FILES, PIECE_BYTES, CorpusForged, CorpusRefused, Fetch, Manifest, describe
+from swarm.tokens import Prepared
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A prepared corpus of three pieces of train tokens (9.2 MB)."""
+    root = tmp_path_factory.mktemp("corpus")
+    (root / "text").mkdir()
+    (root / "text" / "part.txt").write_text("\n".join(f"{i} " + "abcdefgh" * 60 for i in range(10_000)))
+    cfg = load_config(None, {"data": {"source": "hf", "dataset": str(root / "text"), "cache_dir": str(root / "a")}})
+    return load_corpus(cfg.data, cache=False).prepared
+
+
+def test_a_manifest_describes_the_prepared_files_and_reads_back(prepared):
+    manifest = describe(prepared.folder)
+    assert manifest.dtype == "uint16" and len(manifest.pieces["train.bin"]) == 3
+    assert manifest.sizes == {name: (prepared.folder / name).stat().st_size for name in FILES}
+    assert Manifest.parse(manifest.to_dict()) == manifest
+    assert (prepared.folder / "pieces.json").exists() and describe(prepared.folder) == manifest  # kept, read back
+
+
+def bad(manifest: Manifest, **change) -> dict:
+    value = manifest.to_dict()
+    for key, update in change.items():
+        value[key] = update(value[key])
+    return value
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"format": lambda f: f + 1}, "another format"),
+    ({"dtype": lambda d: "float64"}, "another format"),
+    ({"sizes": lambda s: {"train.bin": s["train.bin"]}}, "does not name train.bin and eval.bin"),
+    ({"sizes": lambda s: {**s, "train.bin": s["train.bin"] + 1}}, "train.bin size or piece hashes"),  # half a token
+    ({"sizes": lambda s: {**s, "train.bin": s["train.bin"] + PIECE_BYTES}}, "train.bin size or piece hashes"),
+    ({"pieces": lambda p: {**p, "eval.bin": [b"short"]}}, "eval.bin size or piece hashes"),
+    ({"sizes": lambda s: {**s, "train.bin": 10**15}}, "train.bin size or piece hashes"),  # past MAX_PIECES
+])
+def test_a_malformed_manifest_is_refused(prepared, change, why):
+    with pytest.raises(CorpusRefused, match=why):
+        Manifest.parse(bad(describe(prepared.folder), **change))
+
+
+def pieces(folder, manifest):
+    for name in FILES:
+        data = (folder / name).read_bytes()
+        for i in range(len(manifest.pieces[name])):
+            yield name, i, data[i * PIECE_BYTES:(i + 1) * PIECE_BYTES]
+
+
+def test_fetched_pieces_survive_a_restart_and_the_whole_lands_where_a_peer_looks(prepared, tmp_path):
+    manifest = describe(prepared.folder)
+    target = tmp_path / "cache" / prepared.folder.name
+    fetch = Fetch(target)
+    fetch.begin(manifest)
+    first = next(pieces(prepared.folder, manifest))
+    fetch.write(*first)
+    fetch.note()
+    again = Fetch(target)  # killed and started again: the same manifest goes on from the piece it had
+    again.begin(manifest)
+    assert again.have == {first[:2]} and again.bytes_had() == len(first[2])
+    other = Manifest(manifest.dtype, manifest.sizes, {**manifest.pieces, "eval.bin": [b"\0" * 32]})
+    Fetch(target).begin(other)  # another donor's word for other pieces: starts over
+    again = Fetch(target)
+    again.begin(manifest)
+    assert again.have == set()
+    for name, i, data in pieces(prepared.folder, manifest):
+        again.write(name, i, data)
+    again.finish(prepared.meta["sha256"], "bytes", 256, 0, "donor")
+    landed = Prepared(target)
+    landed.check()
+    assert landed.meta["sha256"] == prepared.meta["sha256"] and landed.meta["train_tokens"] == prepared.meta[
+        "train_tokens"]
+    assert (target / "train.bin").read_bytes() == (prepared.folder / "train.bin").read_bytes()
+
+
+def test_pieces_that_add_up_to_another_corpus_are_dropped(prepared, tmp_path):
+    manifest = describe(prepared.folder)
+    target = tmp_path / "cache" / prepared.folder.name
+    fetch = Fetch(target)
+    fetch.begin(manifest)
+    for name, i, data in pieces(prepared.folder, manifest):
+        fetch.write(name, i, data)
+    other = hashlib.sha256(b"another corpus").hexdigest()
+    with pytest.raises(CorpusForged, match=f"the pieces donor sent hash to {prepared.meta['sha256'][:16]}, not the "
+                                           f"run's corpus {other[:16]}"):
+        fetch.finish(other, "bytes", 256, 0, "donor")
+    assert not target.exists() and not fetch.work.exists()
