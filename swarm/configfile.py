@@ -167,7 +167,7 @@ def validate(cfg: Config) -> None:
     if cfg.inner.warmup_steps > (total := cfg.diloco.rounds * cfg.diloco.inner_steps):
         raise ConfigError(f"inner.warmup_steps {cfg.inner.warmup_steps} exceeds the run's {total} inner steps "
                           f"(diloco.rounds {cfg.diloco.rounds} * diloco.inner_steps {cfg.diloco.inner_steps}): pass "
-                          f"--inner.warmup_steps {total // 10} (a tenth of them) or at most {total}")
+                          f"--inner.warmup_steps {max(1, total // 10)} (a tenth of them) or at most {total}")
     if not 0.0 <= cfg.outer.momentum < 1.0:
         raise ConfigError(f"outer.momentum {cfg.outer.momentum} must be in [0, 1)")
     if s.request_timeout >= s.matchmaking_time:

@@ -221,3 +221,20 @@ def test_dry_run_prints_the_memory_plan_per_rank_even_where_it_cannot_run(run, t
     eight_bit = run("peer", "--config", "configs/tiny.yaml", *SMALL, "--inner.optimizer", "adamw8bit",
                     "--dry-run", "--out", str(tmp_path / "small"))
     assert eight_bit.returncode == 0 and "AdamW moments (8-bit)" in eight_bit.stdout
+
+
+@pytest.mark.timeout(120)
+def test_sim_takes_dry_run_and_fresh_as_the_other_training_commands_do(run, tmp_path):
+    """`swarm sim` had neither: --dry-run checks and trains nothing; run again on the same --out it resumes its
+    replicas from their checkpoints, and --fresh deletes them first."""
+    argv = ["sim", "--config", "configs/tiny.yaml", *SMALL, "--replicas", "2", "--diloco.rounds", "1",
+            "--diloco.inner_steps", "2", "--inner.warmup_steps", "1", "--out", str(tmp_path / "sim")]
+    dry = run(*argv, "--dry-run")
+    assert dry.returncode == 0 and "nothing trained" in dry.stdout and not (tmp_path / "sim").exists()
+    assert run(*argv).returncode == 0
+    checkpoint = tmp_path / "sim" / "replica-0" / "checkpoint"
+    assert any(checkpoint.iterdir())
+    again = run(*argv, "--fresh")
+    assert again.returncode == 0
+    log = (tmp_path / "sim" / "log.txt").read_text()
+    assert f"peer folder {tmp_path / 'sim' / 'replica-0'}: starting fresh (--fresh: deleted" in log
