@@ -118,8 +118,8 @@ async def _fetch(dht, donors: list[str], cfg: Config, run: RunIdentity, folder: 
     try:
         for donor in donors:
             try:
-                await fetch(p2p, PeerID.from_base58(donor), name, cfg.swarm.stall_timeout, into, run.corpus_sha256,
-                            shown)
+                await fetch(p2p, PeerID.from_base58(donor), name, cfg.swarm.stall_timeout, cfg.swarm.min_bandwidth,
+                            into, run.corpus_sha256, shown)
                 await asyncio.get_running_loop().run_in_executor(
                     None, into.finish, run.corpus_sha256, cfg.data.tokenizer, tokenizer.vocab_size, tokenizer.sep_id,
                     donor)

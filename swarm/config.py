@@ -146,7 +146,8 @@ class SwarmConfig:
     cannot reach it falls back to libp2p (slower, nothing lost)."""
     corpus_rate: float = 25e6
     """Bytes/s this peer sends its prepared corpus to each peer that fetches it (`swarm join` on a machine without
-    it; swarm/net/corpussync.py, at most 2 at once): the cap that keeps serving data from slowing its rounds."""
+    it; swarm/net/corpussync.py, at most 2 at once): the cap that keeps serving data from slowing its rounds. At least
+    `min_bandwidth`, below which a fetcher gives up on a piece."""
     identity: Optional[str] = None
     """This peer's key file (created if missing): its peer id and the signature on its DHT records
     (swarm/net/identity.py). None: `identity.key` in the peer's folder, so that a restart keeps its peer id and

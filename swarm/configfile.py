@@ -184,8 +184,9 @@ def validate(cfg: Config) -> None:
     for peer in s.allowed_peers:
         if not re.fullmatch(r"(Qm|12D3Koo)[1-9A-HJ-NP-Za-km-z]{40,50}", peer):
             raise ConfigError(f"swarm.allowed_peers: {peer!r} is not a peer id (base58, Qm... or 12D3Koo...)")
-    if not s.corpus_rate > 0:
-        raise ConfigError(f"swarm.corpus_rate must be a positive number of bytes/s, got {s.corpus_rate}")
+    if not s.corpus_rate >= s.min_bandwidth:
+        raise ConfigError(f"swarm.corpus_rate {s.corpus_rate:g} must be at least swarm.min_bandwidth "
+                          f"{s.min_bandwidth:g} bytes/s: a peer fetching the corpus gives up on a slower one")
     if not s.min_bandwidth > 0:
         raise ConfigError(f"swarm.min_bandwidth must be a positive number of bytes/s, got {s.min_bandwidth}")
     dl = cfg.diloco

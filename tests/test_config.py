@@ -48,6 +48,7 @@ def test_overrides_in_both_forms():
     (["--model.hidden_size", "130"], "model.hidden_size"),
     (["--swarm.request_timeout", "9"], "swarm.request_timeout"),
     (["--swarm.min_bandwidth", "0"], "swarm.min_bandwidth"),
+    (["--swarm.corpus_rate", "5e5"], "swarm.corpus_rate 500000 must be at least swarm.min_bandwidth 1e+06 bytes/s"),
     (["--swarm.stall_timeout", "-1"], "swarm.stall_timeout"),
     (["--swarm.progress_expiration", "5"], "swarm.progress_expiration"),
     (["--faults.hold_round", "2"], "faults.hold_round"),

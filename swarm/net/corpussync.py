@@ -34,6 +34,7 @@ from hivemind.p2p import P2P, PeerID
 
 from swarm.errors import SwarmError
 from swarm.net.access import Access
+from swarm.net.budget import transfer_deadline
 from swarm.net.wire import Channel, Kind, ProtocolError, serve
 from swarm.tokens import FORMAT, SPLITS, write_stamp
 
@@ -237,7 +238,7 @@ def _unhex(manifest: dict) -> dict:
     return {**manifest, "pieces": {k: [bytes.fromhex(h) for h in v] for k, v in manifest["pieces"].items()}}
 
 
-async def fetch(p2p: P2P, donor: PeerID, name: str, stall: float, into: Fetch, sha256: str,
+async def fetch(p2p: P2P, donor: PeerID, name: str, stall: float, min_bandwidth: float, into: Fetch, sha256: str,
                 progress: Callable[[int], None]) -> None:
     """Fetch from `donor` every piece `into` lacks; CorpusRefused or a WireError if it does not serve them.
     `progress(nbytes)` is called once the pieces already here are known (with 0), then after each piece written."""
@@ -252,13 +253,18 @@ async def fetch(p2p: P2P, donor: PeerID, name: str, stall: float, into: Fetch, s
         for name_, piece in into.missing():
             await channel.send_control(Kind.HELLO, {"file": name_, "piece": piece})
             size = min(manifest.sizes[name_] - piece * PIECE_BYTES, PIECE_BYTES)
-            data, digest = bytearray(), hashlib.sha256()
-            while len(data) < size:
-                frame = await channel.recv_kind(Kind.DATA, min(DATA_BYTES, size - len(data)))
-                if not frame:
-                    raise ProtocolError(f"{donor} sent an empty frame")
-                data += frame
-                digest.update(frame)
+            data, digest, budget = bytearray(), hashlib.sha256(), transfer_deadline(size, stall, min_bandwidth)
+            try:
+                async with asyncio.timeout(budget):  # a donor that trickles is left for the next
+                    while len(data) < size:
+                        frame = await channel.recv_kind(Kind.DATA, min(DATA_BYTES, size - len(data)))
+                        if not frame:
+                            raise ProtocolError(f"{donor} sent an empty frame")
+                        data += frame
+                        digest.update(frame)
+            except TimeoutError:
+                raise CorpusRefused(f"piece {piece} of {name_} from {donor} not done within {budget:.0f} s "
+                                    f"(swarm.min_bandwidth)") from None
             if digest.digest() != manifest.pieces[name_][piece]:
                 raise CorpusRefused(f"piece {piece} of {name_} from {donor} does not match its hash")
             await loop.run_in_executor(None, into.write, name_, piece, bytes(data))
