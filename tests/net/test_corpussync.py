@@ -1,13 +1,30 @@
 """The corpus fetch's pure parts (swarm/net/corpussync.py): a donor's manifest checked for shape, pieces kept
 across a restart, and the whole checked against the run's corpus hash before it is put in place."""
 
+import asyncio
+import concurrent.futures
 import hashlib
+import os
+import shutil
 
 import pytest
+from loopback_p2p import LoopbackNet
 
 from swarm.configfile import load_config
 from swarm.data import load_corpus
-from swarm.net.corpussync import FILES, PIECE_BYTES, CorpusForged, CorpusRefused, Fetch, Manifest, describe
+from swarm.net.access import Access
+from swarm.net.corpussync import (
+    FILES,
+    PIECE_BYTES,
+    CorpusForged,
+    CorpusRefused,
+    CorpusServer,
+    Fetch,
+    Manifest,
+    describe,
+    fetch,
+)
+from swarm.net.wire import Channel, Kind, PeerFailed
 from swarm.tokens import Prepared
 
 
@@ -95,3 +112,53 @@ def test_pieces_that_add_up_to_another_corpus_are_dropped(prepared, tmp_path):
                                            f"run's corpus {other[:16]}"):
         fetch.finish(other, "bytes", 256, 0, "donor")
     assert not target.exists() and not fetch.work.exists()
+
+
+def test_a_donor_whose_bytes_lie_is_left_and_an_honest_one_gives_the_corpus(prepared, tmp_path):
+    """Over stand-in streams (loopback_p2p.py): a donor whose bytes differ from its piece hashes (changed in place,
+    size and time kept, after it described them) is refused at its first piece; an honest donor then gives every
+    piece, and the whole hashes to the run's corpus; a stream that asks for more than the corpus is cut; a
+    peer the donor's Access refuses gets nothing."""
+    liar_folder = shutil.copytree(prepared.folder, tmp_path / "liar")
+    describe(liar_folder)  # its piece hashes kept (pieces.json), then its bytes changed behind them
+    train = liar_folder / "train.bin"
+    stat = train.stat()
+    with open(train, "r+b") as f:
+        f.write(b"\xff\xff")
+    os.utime(train, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+    async def main():
+        net, pool = LoopbackNet(), concurrent.futures.ThreadPoolExecutor(2)
+        servers = {}
+        for name, folder in (("liar", liar_folder), ("honest", prepared.folder)):
+            p2p = net.p2p()
+            servers[name] = CorpusServer(p2p, "corpus", 5.0, pool, Access(), rate=1e9)
+            servers[name].offer(folder)
+            await servers[name].start()
+        me = net.p2p()
+        into = Fetch(tmp_path / "mine" / prepared.folder.name)
+        with pytest.raises(CorpusRefused, match="piece 0 of train.bin from .* does not match its hash"):
+            await fetch(me, servers["liar"].p2p.peer_id, "corpus", 5.0, 1e6, into, prepared.meta["sha256"],
+                        lambda n: None)
+        got = []
+        await fetch(me, servers["honest"].p2p.peer_id, "corpus", 5.0, 1e6, into, prepared.meta["sha256"], got.append)
+        into.finish(prepared.meta["sha256"], "bytes", 256, 0, "honest")
+        assert sum(got) == sum((prepared.folder / n).stat().st_size for n in FILES)
+        greedy = await Channel.open(me, servers["honest"].p2p.peer_id, "corpus", 5.0)
+        await greedy.send_control(Kind.HELLO, {})
+        manifest = Manifest.parse(await greedy.recv_control())
+        with pytest.raises(PeerFailed, match="more than the whole corpus"):
+            for _ in range(10):  # the same piece, again and again
+                await greedy.send_control(Kind.HELLO, {"file": "train.bin", "piece": 0})
+                for _ in range(PIECE_BYTES // (1 << 20)):
+                    await greedy.recv(1 << 21)
+        assert len(manifest.pieces["train.bin"]) == 3
+        stranger = net.p2p()
+        servers["honest"].access.banned.add(str(stranger.peer_id))
+        with pytest.raises(PeerFailed, match="is banned"):
+            await fetch(stranger, servers["honest"].p2p.peer_id, "corpus", 5.0, 1e6,
+                        Fetch(tmp_path / "stranger" / "x"), prepared.meta["sha256"], lambda n: None)
+        await net.close()
+        pool.shutdown()
+    asyncio.run(main())
+    assert Prepared(tmp_path / "mine" / prepared.folder.name).meta["sha256"] == prepared.meta["sha256"]
