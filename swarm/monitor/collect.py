@@ -32,8 +32,8 @@ import hivemind
 from hivemind.utils.timed_storage import get_dht_time
 
 from swarm.net import policy, schema
-from swarm.net.dht import run_fingerprint
 from swarm.net.identity import owner_peer_id
+from swarm.net.policy import run_fingerprint
 from swarm.net.schema import CommitRecord, ProgressRecord
 
 MAX_PEERS = 256  # rows in the peer table and commit records kept; a stranger may publish many records

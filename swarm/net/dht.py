@@ -34,6 +34,8 @@ from swarm.config import SwarmConfig
 from swarm.errors import SwarmError, UsageError
 from swarm.net import schema
 from swarm.net.identity import Identity, load_identity, with_work
+from swarm.net.manifest import ManifestRefused, choose_manifest, read_manifests
+from swarm.net.policy import run_fingerprint
 from swarm.runid import RunIdentity
 
 logger = logging.getLogger(__name__)
@@ -188,15 +190,6 @@ def start_dht(cfg: SwarmConfig, identity: Optional[Identity] = None, *, fingerpr
     return dht
 
 
-def run_fingerprint(records: dict[str, schema.RunRecord]) -> Optional[str]:
-    """The fingerprint most peers of the run signed (ties: the one signed first), None for a new run. Each
-    peer signs only its own record, so a stranger adds one vote and cannot replace anyone's."""
-    votes: dict[str, list[float]] = {}
-    for record in records.values():
-        votes.setdefault(record.fingerprint, []).append(record.time)
-    return min(votes, key=lambda fp: (-len(votes[fp]), min(votes[fp])), default=None)
-
-
 def check_fingerprint(dht: hivemind.DHT, cfg: SwarmConfig, identity: Identity, fingerprint: str,
                       run: Optional[RunIdentity] = None) -> None:
     """Refuse to join a run whose peers signed another fingerprint (naming, with `run`, the first key that
@@ -229,8 +222,6 @@ def check_fingerprint(dht: hivemind.DHT, cfg: SwarmConfig, identity: Identity, f
 
 def _difference(dht: hivemind.DHT, cfg: SwarmConfig, stored: str, run: Optional[RunIdentity]) -> str:
     """What differs between this peer's run and the run's (from its manifest), or why it cannot be told."""
-    from swarm.net.manifest import ManifestRefused, choose_manifest, read_manifests
-
     unknown = "its run settings differ"
     if run is None:
         return unknown

@@ -4,7 +4,7 @@ Layout of both records: schema.py (`{run_id}_manifest`, `swarm_runs`). This modu
 (`publish`, from a peer after it signed the run's fingerprint) and reads them back with every check:
 
 - a manifest counts only if it is for the run's fingerprint (the one most peers signed under `{run_id}_run`,
-  `dht.run_fingerprint`), its config loads with this version (`config_from_dict`: unknown keys, bad types
+  `policy.run_fingerprint`), its config loads with this version (`config_from_dict`: unknown keys, bad types
   and broken rules refuse it), names this run, reproduces that fingerprint, and sets no per-peer key (a
   manifest must not choose a joiner's files, key or fault injection);
 - among the manifests that count, the config the most peers signed wins (ties: the earliest). Each peer
@@ -34,8 +34,8 @@ from swarm.config import Config, ConfigError, is_per_peer, shared_config
 from swarm.configfile import config_from_dict
 from swarm.errors import SwarmError
 from swarm.net import schema
-from swarm.net.dht import run_fingerprint
 from swarm.net.identity import Identity
+from swarm.net.policy import run_fingerprint
 from swarm.net.schema import IndexRecord, ManifestRecord
 from swarm.runid import RunIdentity
 

@@ -70,7 +70,7 @@ from enum import Enum
 from typing import Callable, Mapping, Optional, Sequence
 
 from swarm.net import certificates
-from swarm.net.schema import CommitRecord, ProgressRecord
+from swarm.net.schema import CommitRecord, ProgressRecord, RunRecord
 
 Known = Callable[[int], Optional[frozenset[str]]]
 """The keys that vote on a round s (ledger.py `Ledger.known`); None for s: every identity votes."""
@@ -289,3 +289,12 @@ def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
     return Position(Verdict.AVERAGE, swarm_round, swarm_sha, expected, others_ready=ready,
                     note=f"{len(mates)} live peers share round {round}", ignored=ignored, uncertified=disregarded,
                     credit=credit)
+
+
+def run_fingerprint(records: Mapping[str, RunRecord]) -> Optional[str]:
+    """The fingerprint most peers of the run signed (ties: the one signed first), None for a new run. Each
+    peer signs only its own record, so a stranger adds one vote and cannot replace anyone's."""
+    signed: dict[str, list[float]] = {}
+    for record in records.values():
+        signed.setdefault(record.fingerprint, []).append(record.time)
+    return min(signed, key=lambda fp: (-len(signed[fp]), min(signed[fp])), default=None)

@@ -8,8 +8,9 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from swarm.errors import SwarmError, UsageError
 from swarm.net import schema
-from swarm.net.dht import run_fingerprint, start_dht
+from swarm.net.dht import start_dht
 from swarm.net.identity import load_identity, owner_peer_id, with_work
+from swarm.net.policy import run_fingerprint
 
 
 def _progress(peer_id: str, name: str, round: int = 3) -> dict:

@@ -10,10 +10,10 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 from swarm.config import Config, shared_config
 from swarm.net import grouping, schema, work
 from swarm.net.access import Access
-from swarm.net.dht import run_fingerprint
 from swarm.net.identity import load_identity, with_work
 from swarm.net.manifest import choose_manifest
 from swarm.net.matchmaking import Group
+from swarm.net.policy import run_fingerprint
 from swarm.net.sybil import forged_run, mint
 from swarm.runid import RunIdentity
 
