@@ -7,7 +7,7 @@ STAMP := $(VENV)/.install-stamp
 # pin takes PyPI's CUDA build. Override with `make install TORCH_SPEC=...`.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install install-system swarm test test-fast lint bench bench-quick clean
+.PHONY: install install-system swarm test durations test-fast lint bench bench-quick clean
 
 install: $(STAMP)
 
@@ -29,12 +29,17 @@ install-system:
 	@command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium; }
 	@command -v iptables >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq iptables; }
 
-# `test` runs every test on two workers (pytest-xdist; tests/conftest.py orders the longest first) and prints the
-# 15 slowest. `test-fast` (about a minute, for the edit loop) leaves out the tests marked `slow`: those that start
-# peers, DHTs or `swarm` commands (tests/conftest.py says which). `make test TEST_WORKERS=0` runs them in this process.
+# `test` runs every test on two workers (pytest-xdist; the modules that took longest go first, by
+# tests/durations.json) and prints the 15 slowest. `durations` does the same and writes each module's seconds to
+# tests/durations.json (commit it when modules were added or grew). `test-fast` (about a minute, for the edit
+# loop) leaves out the tests marked `slow`: those that start peers, DHTs or `swarm` commands (each module marks
+# them; tests/conftest.py says how). `make test TEST_WORKERS=0` runs them in this process.
 TEST_WORKERS ?= 2
 test: install install-system
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxschedchunk 2 --durations=15
+
+durations: install install-system
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxschedchunk 2 --durations=15 --store-durations
 
 test-fast: install
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxschedchunk 2 -m "not slow" --durations=15

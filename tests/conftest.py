@@ -4,6 +4,7 @@ or in this one), a solo run stopped after a round and resumed, and the `slow` ma
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -24,43 +25,45 @@ from swarm.configfile import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# `make test-fast` (`pytest -m "not slow"`) runs the tests that start no other process, in about a minute:
-# a test is `slow` when its module starts peers or swarms (listed here), when it takes a fixture that starts
-# DHTs, peers or `swarm` commands, when it is listed by name here (tests of other modules that start one),
-# or when it is marked `@pytest.mark.slow` itself (a long computation). `make test` runs every test.
-SLOW_MODULES = {
-    "test_bench", "test_cli_errors", "test_faults", "test_monitor_browser", "test_ranks", "test_swarm",
-    "test_allreduce_peers", "test_dht", "test_manifest", "test_matchmaking", "test_nat", "test_robust_peers",
-    "test_shaped_link", "test_trust", "test_launcher",
-}
+# `make test-fast` (`pytest -m "not slow"`) runs the tests that start no other process, in about a minute. A test
+# is `slow` when its module says so (`pytestmark = pytest.mark.slow`: it starts peers, DHTs or `swarm` processes),
+# when it is marked `@pytest.mark.slow` itself, or when it takes one of the fixtures that start such processes
+# (SLOW_FIXTURES). `make test` runs every test.
 SLOW_FIXTURES = {"bootstrap", "cli", "dhts", "fork_server", "pair", "peers", "stock_bootstrap", "swarm_cmd"}
-SLOW_TESTS = {
-    "tests/test_export.py::test_the_printed_snippet_runs",
-    "tests/test_resume.py::test_a_networked_peer_resumes_by_rerun_and_the_swarm_s_state_exports",
-    "tests/net/test_clients.py::test_a_client_takes_part_owns_nothing_and_ends_with_the_same_average",
-    "tests/net/test_clients.py::test_an_audited_group_with_a_client_agrees_on_the_average",
-    "tests/net/test_clients.py::test_an_owner_lying_to_a_group_with_a_client_is_named_by_every_auditor",
-    "tests/net/test_clients.py::test_a_client_that_brings_no_contributions_leaves_its_parts_unchecked_not_the_group_stalled",
-}
+
+# `make test` runs the suite on two workers (pytest-xdist, `-n 2 --maxschedchunk 2`: each takes the next test as it
+# frees up). The modules that take longest go first, so that the two end together rather than one waiting for a
+# long test that started last: their seconds, as `make durations` last measured them, are in DURATIONS (a module
+# not there, a new one, goes after those measured).
+DURATIONS = ROOT / "tests" / "durations.json"
 
 
-# `make test` runs the suite on two workers (pytest-xdist, `-n 2 --maxschedchunk 2`: each takes the next test
-# as it frees up). The modules that take longest go first, so that the two end together rather than one waiting
-# for a long test that started last; measured on 2 cores, longest first (the rest keep their order).
-LONGEST_MODULES = [
-    "test_faults", "test_ranks", "test_allreduce_peers", "test_resume", "test_monitor_browser", "test_launcher",
-    "test_dht", "test_nat", "test_shaped_link", "test_robust_peers", "test_join", "test_inner", "test_swarm",
-    "test_trainer", "test_bench", "test_export", "test_matchmaking",
-]
+def pytest_addoption(parser) -> None:
+    parser.addoption("--store-durations", action="store_true",
+                     help="write each test module's total seconds to tests/durations.json (`make durations`)")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
-        if (item.module.__name__.rpartition(".")[2] in SLOW_MODULES or SLOW_FIXTURES & set(item.fixturenames)
-                or item.nodeid.partition("[")[0] in SLOW_TESTS):
+        if SLOW_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
-    rank = {name: i for i, name in enumerate(LONGEST_MODULES)}
-    items.sort(key=lambda item: rank.get(item.module.__name__.rpartition(".")[2], len(rank)))  # stable
+    try:
+        seconds = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        seconds = {}
+    items.sort(key=lambda item: -float(seconds.get(item.nodeid.partition("::")[0], 0.0)))  # stable
+
+
+_measured: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    _measured[report.nodeid.partition("::")[0]] = _measured.get(report.nodeid.partition("::")[0], 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if session.config.getoption("--store-durations") and not os.environ.get("PYTEST_XDIST_WORKER") and _measured:
+        DURATIONS.write_text(json.dumps({k: round(v, 1) for k, v in sorted(_measured.items())}, indent=1) + "\n")
 
 
 def tiny_config(**sections) -> Config:

@@ -10,6 +10,8 @@ from bench.common import QUICK_RESULTS, RESULTS
 from bench.utilization import replayed, round_model
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.slow  # starts peers, DHTs or `swarm` processes (make test-fast leaves it out)
+
 
 @pytest.mark.timeout(120)
 def test_a_quick_run_writes_beside_the_committed_results():

@@ -11,7 +11,7 @@ import pytest
 from tests.conftest import run_cli, scratch_folder
 from tests.swarm_harness import local_swarm
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]  # slow: starts `swarm` processes and peers
 
 PEER = ["peer", "--config", "configs/tiny.yaml", "--data.max_documents", "60"]
 SOME_ID = "12D3KooWMJQ578M5fLBwELxBrNAd8j1GwELtCAgM7vBxgNojeWMJ"

@@ -132,6 +132,7 @@ def test_cli_export_prints_where_and_how_to_load_it(trained, tmp_path, capsys):
     assert capsys.readouterr().err.strip().startswith("swarm: error: no complete checkpoint in")
 
 
+@pytest.mark.slow  # runs the snippet in a process of its own
 def test_the_printed_snippet_runs(trained, tmp_path):
     from swarm.export import usage_snippet
 

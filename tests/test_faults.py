@@ -14,6 +14,8 @@ from swarm.net.budget import round_deadline
 from tests.conftest import ROOT
 from tests.swarm_harness import SMALL, local_swarm
 
+pytestmark = pytest.mark.slow  # starts peers, DHTs or `swarm` processes (make test-fast leaves it out)
+
 # A round's deadline with SMALL's time-outs (matchmaking 3 s, requests 1 s, stall 5 s) for a tiny vector:
 # three attempts of 3 + 1 + 5 s (budget.round_deadline).
 ROUND_TIMEOUT = round_deadline(0, load_config(ROOT / "configs" / "tiny.yaml", SMALL).swarm)

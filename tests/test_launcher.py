@@ -13,6 +13,8 @@ import pytest
 from tests.conftest import ROOT
 from tests.swarm_harness import SMALL
 
+pytestmark = pytest.mark.slow  # starts peers, DHTs or `swarm` processes (make test-fast leaves it out)
+
 
 def descendants(pid: int) -> set[int]:
     """Every live process under `pid` (from /proc)."""

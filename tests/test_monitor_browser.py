@@ -23,6 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import ROOT
 from tests.swarm_harness import SMALL
 
+pytestmark = pytest.mark.slow  # starts peers, DHTs or `swarm` processes (make test-fast leaves it out)
+
 DEADLINE_S = 90  # the whole test, start to cleanup; it takes ~40 s on 2 idle cores
 
 

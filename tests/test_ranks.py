@@ -14,6 +14,8 @@ from swarm.ranks import Ranks, check
 from tests.conftest import ROOT
 from tests.swarm_harness import SMALL
 
+pytestmark = pytest.mark.slow  # starts peers, DHTs or `swarm` processes (make test-fast leaves it out)
+
 RUN = [*SMALL, "--diloco.rounds", "3", "--diloco.inner_steps", "6", "--data.batch_size", "4"]
 
 

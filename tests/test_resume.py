@@ -119,6 +119,7 @@ def wait_for(condition, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.slow  # starts peers
 @pytest.mark.timeout(300)
 def test_a_networked_peer_resumes_by_rerun_and_the_swarm_s_state_exports(tmp_path, monkeypatch, fork_server):
     """One peer of a swarm, started without --out or --name from tmp_path, commits round 1 and holds there, serving

@@ -10,6 +10,8 @@ from swarm.configfile import load_config
 from tests.conftest import ROOT
 from tests.swarm_harness import local_swarm
 
+pytestmark = pytest.mark.slow  # starts peers, DHTs or `swarm` processes (make test-fast leaves it out)
+
 MATCHMAKING_S = load_config(ROOT / "configs" / "tiny.yaml").swarm.matchmaking_time
 
 

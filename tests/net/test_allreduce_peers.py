@@ -10,6 +10,8 @@ from peer_proc import make_vector
 
 from swarm.net import budget
 
+pytestmark = pytest.mark.slow  # starts peers, DHTs or `swarm` processes (make test-fast leaves it out)
+
 
 def expected_mean(jobs: list[dict]) -> list[torch.Tensor]:
     total = sum(j["samples"] for j in jobs)

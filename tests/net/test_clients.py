@@ -75,6 +75,7 @@ def test_a_client_meta_fits_a_group_and_misfits_are_named():
     assert misfit(4, other, metas["a"])[1] == ["c"]  # the one whose signed size differs
 
 
+@pytest.mark.slow  # starts peers
 @pytest.mark.timeout(60)
 def test_a_client_takes_part_owns_nothing_and_ends_with_the_same_average():
     """Member 1 is a client. Its AllReduce never registers its stream handlers, so a stream opened to it
@@ -111,6 +112,7 @@ async def _deaf() -> None:
     """A client's AllReduce registers no stream handler (peer.py): a stream opened to it fails. Its stop, too."""
 
 
+@pytest.mark.slow  # starts peers
 @pytest.mark.timeout(60)
 def test_an_audited_group_with_a_client_agrees_on_the_average():
     from swarm.net.allreduce.robust import Rule
@@ -125,6 +127,7 @@ def test_an_audited_group_with_a_client_agrees_on_the_average():
     assert torch.allclose(results[0].tensor, torch.stack(vectors).mean(0), atol=1e-6)
 
 
+@pytest.mark.slow  # starts peers
 @pytest.mark.timeout(60)
 def test_an_owner_lying_to_a_group_with_a_client_is_named_by_every_auditor():
     """Owner 0 adds 1e-3 to its part's average. Owner 1 can recompute that part only with the client's
@@ -176,6 +179,7 @@ def test_a_client_records_its_commits_but_never_serves_its_state(client):
     assert published == ["ab" * 32]  # its final record names the hash it committed
 
 
+@pytest.mark.slow  # starts peers
 @pytest.mark.timeout(60)
 def test_a_client_that_brings_no_contributions_leaves_its_parts_unchecked_not_the_group_stalled(monkeypatch):
     """A client that never opens its audit stream (an older peer, or one that will not be checked): each owner

@@ -12,6 +12,8 @@ from conftest import REPO, fast_cfg
 from swarm.errors import SwarmError, UsageError
 from swarm.net.dht import start_dht, visible_maddrs
 
+pytestmark = pytest.mark.slow  # starts peers, DHTs or `swarm` processes (make test-fast leaves it out)
+
 FAKE_ID = "QmXfANcrDYnt5LTXKPtBALa9aXuZUrNNkRHZP6JWw9tYTE"
 
 

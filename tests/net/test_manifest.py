@@ -11,6 +11,8 @@ from swarm.net.manifest import fetch_manifest, publish, read_index, read_manifes
 from swarm.runid import RunIdentity
 from tests.conftest import tiny_config
 
+pytestmark = pytest.mark.slow  # starts peers, DHTs or `swarm` processes (make test-fast leaves it out)
+
 CORPUS = "c0ffee"  # a corpus hash: nothing trains here
 
 

@@ -13,6 +13,8 @@ from conftest import fast_cfg, three_dhts
 from swarm.net.grouping import Offenses
 from swarm.net.matchmaking import Matchmaker, NoGroup
 
+pytestmark = pytest.mark.slow  # starts peers, DHTs or `swarm` processes (make test-fast leaves it out)
+
 
 def form_groups(makers: list[Matchmaker], round: int, expected=None) -> list:
     """form_group on every matchmaker at once; the group or the exception of each."""

@@ -33,6 +33,8 @@ from bench.swarmrun import Namespaces, netns_available, sh
 from swarm.net.allreduce import agree
 from tests.swarm_harness import SMALL
 
+pytestmark = pytest.mark.slow  # starts peers, DHTs or `swarm` processes (make test-fast leaves it out)
+
 ROUNDS = 3
 PUBLIC = 4  # namespaces on the bridge: the bootstrap, two public peers, the router
 

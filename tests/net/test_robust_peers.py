@@ -6,6 +6,8 @@ import torch
 from peer_proc import make_vector
 from test_allreduce_peers import check_identical_mean
 
+pytestmark = pytest.mark.slow  # starts peers, DHTs or `swarm` processes (make test-fast leaves it out)
+
 MEET = dict(matchmaking_time=6.0)  # all three must meet in one group: a leader waits up to 6 s for a late peer
 
 

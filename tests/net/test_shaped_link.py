@@ -22,6 +22,8 @@ import pytest
 from bench.swarmrun import Namespaces
 from swarm.net.budget import transfer_deadline
 
+pytestmark = pytest.mark.slow  # starts peers, DHTs or `swarm` processes (make test-fast leaves it out)
+
 SCRIPT = Path(__file__).with_name("shaped_proc.py")
 REPO = Path(__file__).resolve().parents[2]
 RATE, LATENCY, NUMEL, STALL, MIN_BANDWIDTH = "8mbit", "1s", 2_500_000, 3.0, 200_000.0

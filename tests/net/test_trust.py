@@ -12,6 +12,8 @@ from swarm.net.dht import start_dht
 from swarm.net.identity import load_identity, owner_peer_id, with_work
 from swarm.net.policy import run_fingerprint
 
+pytestmark = pytest.mark.slow  # starts peers, DHTs or `swarm` processes (make test-fast leaves it out)
+
 
 def _progress(peer_id: str, name: str, round: int = 3) -> dict:
     return schema.ProgressRecord(peer_id=peer_id, name=name, round=round, inner_step=0, samples=0,
