@@ -31,8 +31,7 @@ Writing streams each live tensor's bytes (no serialized copy of the state in mem
 threads so that a round's checkpoint costs it almost nothing (`Checkpointer`). Reading checks the index (its
 hash; every piece against its file's header and size) and the crc32 of every piece it will read BEFORE anything
 is loaded, then reads each piece straight into the caller's tensors; a damaged checkpoint raises
-`CorruptCheckpoint` naming it and leaves them untouched. Checkpoints of the earlier format (`checkpoint.pt`,
-swarm/checkpoint_legacy.py) are read the same way, and deleted once `keep` newer ones exist.
+`CorruptCheckpoint` naming it and leaves them untouched.
 
 Cost at 85M parameters (1.36 GB of global parameters, momentum and moments): the moments are written while the
 round averages, the rest and the fsync while the next round's inner steps run; the round waits only if those
@@ -52,11 +51,10 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 
 from swarm import checkpoint_format as fmt
-from swarm import checkpoint_legacy as legacy
 from swarm import tensorfile
 from swarm.checkpoint_format import INDEX, CorruptCheckpoint
 from swarm.errors import SwarmError
-from swarm.state import StateNames, TensorSpec
+from swarm.state import TensorSpec
 from swarm.tensors import dtype_of
 
 INNER, GLOBAL = "inner.safetensors", "global.safetensors"
@@ -77,13 +75,11 @@ class Checkpointer:
       of checkpoints beyond `keep`. Call `wait()` before changing them, and before the process exits. `abort()`
       drops a begun checkpoint whose round was discarded. `save(tensors, meta)` writes a whole checkpoint now.
 
-    `legacy_names` names the positional tensors of an old-format checkpoint; `pinned` reads that one checkpoint
-    (a round folder or a `checkpoint.pt`) instead of the latest.
+    `pinned` reads that one checkpoint (a round folder) instead of the latest.
     """
 
-    def __init__(self, directory: str | Path, keep: int = 1, legacy_names: Optional[StateNames] = None,
-                 pinned: Optional[Path] = None):
-        self.dir, self.keep, self.legacy_names, self.pinned = Path(directory), max(1, keep), legacy_names, pinned
+    def __init__(self, directory: str | Path, keep: int = 1, pinned: Optional[Path] = None):
+        self.dir, self.keep, self.pinned = Path(directory), max(1, keep), pinned
         self._partial = self.dir / f".partial-{os.getpid()}"
         self._entries: dict[str, dict[str, Any]] = {}
         self._begun: Optional[threading.Thread] = None
@@ -160,12 +156,9 @@ class Checkpointer:
             os.close(fd)
 
     def _prune(self) -> None:
-        """Delete the checkpoints beyond the newest `keep` (an old-format one counts as the oldest)."""
-        rounds = self.rounds()
-        for old in rounds[:-self.keep]:
+        """Delete the checkpoints beyond the newest `keep`."""
+        for old in self.rounds()[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)
-        if len(rounds) >= self.keep:
-            (self.dir / legacy.FILENAME).unlink(missing_ok=True)
 
     def abort(self) -> None:
         """Drop the begun checkpoint (its round was discarded); the last good one stays."""
@@ -205,14 +198,11 @@ class Checkpointer:
         return sorted(found, key=lambda p: int(ROUND.fullmatch(p.name)[1]))
 
     def latest(self) -> Optional[Path]:
-        """The newest complete checkpoint (a round folder, or an old-format `checkpoint.pt`); None if none."""
+        """The newest complete checkpoint (a round folder); None if none."""
         if self.pinned is not None:
             return self.pinned
         rounds = self.rounds()
-        if rounds:
-            return rounds[-1]
-        old = self.dir / legacy.FILENAME
-        return old if old.is_file() else None
+        return rounds[-1] if rounds else None
 
     def exists(self) -> bool:
         self.wait()
@@ -225,7 +215,7 @@ class Checkpointer:
             if path is None:
                 raise CorruptCheckpoint(f"no checkpoint in {self.dir}")
             try:
-                return fmt.open_legacy(path, self.legacy_names) if path.is_file() else fmt.open_folder(path)
+                return fmt.open_folder(path)
             except CorruptCheckpoint:
                 if path.exists() or self.pinned is not None or attempt == OPEN_TRIES - 1:
                     raise  # not pruned away under us: damaged

@@ -15,10 +15,9 @@ from typing import Any, BinaryIO, Optional
 
 import torch
 
-from swarm import checkpoint_legacy as legacy
 from swarm import tensorfile
 from swarm.errors import SwarmError
-from swarm.state import StateNames, TensorSpec
+from swarm.state import TensorSpec
 from swarm.tensors import byte_view, dtype_of
 
 FORMAT, VERSION, INDEX = "swarm-checkpoint", 1, "index.json"
@@ -142,22 +141,3 @@ def open_folder(path: Path) -> Opened:
         opened.__exit__()
         raise CorruptCheckpoint(f"corrupt checkpoint {path}: {type(e).__name__}: {e}") from None
     return opened
-
-
-def open_legacy(path: Path, names: Optional[StateNames]) -> Opened:
-    """An old-format `checkpoint.pt`, its positional names given by `names` (kept as they are without)."""
-    try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise CorruptCheckpoint(f"corrupt checkpoint {path}: {type(e).__name__}: {e}") from None
-    try:
-        meta, found = legacy.entries(f)
-        tensors = {}
-        for spec, offset, nbytes, crc in found:
-            name = names.named(spec.name) if names is not None else spec.name
-            piece = Piece(f, offset, nbytes, crc, (0,) * len(spec.shape), spec.shape)
-            tensors[name] = (TensorSpec(name, spec.dtype, spec.shape), [piece])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        f.close()
-        raise CorruptCheckpoint(f"corrupt checkpoint {path}: {type(e).__name__}: {e}") from None
-    return Opened(path, meta, tensors, [f])

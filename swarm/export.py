@@ -28,30 +28,29 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from swarm import checkpoint_legacy as legacy
 from swarm import tensorfile
 from swarm.checkpoint import INDEX, ROUND, Checkpointer, CorruptCheckpoint
 from swarm.config import Config
 from swarm.configfile import config_from_dict, load_config
 from swarm.errors import UsageError
-from swarm.state import StateNames, TensorSpec
+from swarm.state import TensorSpec
 from swarm.tensorfile import ITEMSIZE
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default max_shard_size, "5GB"
 
 
-def find_checkpoint(source: Path, names: Optional[StateNames] = None) -> Checkpointer:
-    """The checkpoint of `source`: a peer folder (its `checkpoint/`), a checkpoint folder (its latest), one
-    round of it, or an old-format `checkpoint.pt`; UsageError naming `source` if it holds none."""
-    if source.is_file() or (source / INDEX).is_file() and ROUND.fullmatch(source.name):
-        return Checkpointer(source.parent, legacy_names=names, pinned=source)
+def find_checkpoint(source: Path) -> Checkpointer:
+    """The checkpoint of `source`: a peer folder (its `checkpoint/`), a checkpoint folder (its latest) or one
+    round of it; UsageError naming `source` if it holds none."""
+    if (source / INDEX).is_file() and ROUND.fullmatch(source.name):
+        return Checkpointer(source.parent, pinned=source)
     for folder in (source, source / "checkpoint"):
-        found = Checkpointer(folder, legacy_names=names)
+        found = Checkpointer(folder)
         if found.latest() is not None:
             return found
     raise UsageError(f"no complete checkpoint in {source} (looked for {source}/round-*/{INDEX}, "
-                     f"{source}/checkpoint/round-*/{INDEX} and {legacy.FILENAME})")
+                     f"{source}/checkpoint/round-*/{INDEX})")
 
 
 def check_target(out: Path, dtype: str, force: bool) -> None:
@@ -78,7 +77,7 @@ def export_hf(source: Path, out: Path, dtype: str = "fp32", force: bool = False,
     tokenizer = build_tokenizer(cfg.data)
     with torch.device("meta"):  # names, shapes and config only: the weights come from the checkpoint one at a time
         model = model_of(meta, cfg, tokenizer.vocab_size, where)
-    weights = global_parameters(find_checkpoint(source, StateNames.of(model)), model)
+    weights = global_parameters(find_checkpoint(source), model)
     try:
         return write_hf(model, tokenizer, out, dtype, force, weights)
     except CorruptCheckpoint as e:

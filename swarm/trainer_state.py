@@ -163,12 +163,10 @@ class TrainerState:
 
             return ShardCheckpointer(self.cfg.checkpoint.dir or out_dir / "checkpoint", self.cfg.checkpoint.keep,
                                      self.ranks.rank, self.ranks.world_size, self.ranks.share(os.getpid()),
-                                     lambda name: shard_state.placement(self.diloco, self.names.positional(name)),
-                                     legacy_names=self.names)
+                                     lambda name: shard_state.placement(self.diloco, self.names.positional(name)))
         if not self.ranks.endpoint:
             return None
-        return Checkpointer(self.cfg.checkpoint.dir or out_dir / "checkpoint", self.cfg.checkpoint.keep,
-                            legacy_names=self.names)
+        return Checkpointer(self.cfg.checkpoint.dir or out_dir / "checkpoint", self.cfg.checkpoint.keep)
 
     def save_checkpoint(self) -> None:
         if self.checkpointer is not None:

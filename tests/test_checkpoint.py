@@ -1,10 +1,6 @@
 """Checkpoints: safetensors files by state_dict name and an index, checked before anything is loaded, atomic,
-the last `checkpoint.keep` kept, pieces read into blocks (sharded peers), old-format checkpoints converted."""
+the last `checkpoint.keep` kept, pieces read into blocks (sharded peers)."""
 
-import json
-import shutil
-import struct
-import zlib
 
 import pytest
 import torch
@@ -14,9 +10,7 @@ from swarm.averaging import SoloAverager
 from swarm.checkpoint import Checkpointer, CorruptCheckpoint
 from swarm.checkpoint_format import tensor_entry, write_index
 from swarm.runid import run_identity
-from swarm.state import StateNames
 from swarm.tensorfile import write
-from swarm.tensors import byte_view
 from swarm.trainer import Trainer
 from tests.conftest import tiny_config
 
@@ -139,34 +133,3 @@ def test_a_tensor_stored_in_pieces_reads_whole_or_into_the_blocks_of_another_spl
     Checkpointer(tmp_path).load(lambda specs: {"global.w": (blocks[1], (3, 0))})
     Checkpointer(tmp_path).load(lambda specs: {"global.w": (blocks[0], (0, 0))})
     assert torch.equal(torch.cat(blocks), full)
-
-
-def write_legacy(path, tensors, meta):
-    """A checkpoint in the earlier format (SWRMCKP2): tensors 64-byte aligned, a JSON index, its crc, length, magic."""
-    data, entries = bytearray(), []
-    for name, t in tensors.items():
-        data += b"\0" * (-len(data) % 64)
-        raw = byte_view(t.contiguous()).numpy().tobytes()
-        entries.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), len(data), len(raw), zlib.crc32(raw)])
-        data += raw
-    index = json.dumps({"meta": meta, "tensors": entries}).encode()
-    path.write_bytes(bytes(data) + index + struct.pack("<IQ", zlib.crc32(index), len(index)) + b"SWRMCKP2")
-
-
-@pytest.mark.timeout(120)
-def test_an_old_format_checkpoint_is_resumed_from_and_replaced_by_the_new_format(run, tmp_path):
-    folder, trainer = run
-    tensors, meta = Checkpointer(folder).load_all()
-    names = StateNames.of(trainer.model)
-    old = tmp_path / "checkpoint"
-    old.mkdir()
-    write_legacy(old / "checkpoint.pt", {names.positional(k): t for k, t in tensors.items()}, meta)
-    cfg = tiny_config(diloco={"rounds": 4, "inner_steps": 2}, checkpoint={"keep": 2})
-    resumed = Trainer(cfg, SoloAverager(), "a", shard=0, out_dir=tmp_path)
-    assert resumed.resume()
-    assert resumed.diloco.global_sha256() == trainer.diloco.global_sha256() and resumed.step == 6
-    resumed.train()  # round 4: written in the new format; the old file goes once `keep` newer ones exist
-    assert sorted(p.name for p in old.iterdir()) == ["checkpoint.pt", "round-000004"]
-    shutil.copytree(old / "round-000004", old / "round-000005")
-    Checkpointer(old, keep=2).save({"x": torch.ones(1)}, {"round": 6})
-    assert sorted(p.name for p in old.iterdir()) == ["round-000005", "round-000006"]

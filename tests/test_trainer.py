@@ -10,6 +10,7 @@ import torch
 from peers.local_trainers import simulate
 from swarm.averaging import Download, SoloAverager
 from swarm.checkpoint import CorruptCheckpoint
+from swarm.checkpoint_format import INDEX
 from swarm.data import TrainBatches, load_corpus
 from swarm.errors import SwarmError
 from swarm.inner import evaluate, lr_lambda
@@ -230,15 +231,16 @@ def test_a_checkpoint_of_another_model_is_refused_before_anything_is_written(tmp
 
 @pytest.mark.timeout(120)
 def test_cli_corrupt_checkpoint_exits_1_naming_it(tmp_path, cli):
-    (tmp_path / "checkpoint").mkdir()
-    (tmp_path / "checkpoint" / "checkpoint.pt").write_bytes(b"SWRMCKP1" + b"\0" * 64)
+    damaged = tmp_path / "checkpoint" / "round-000001"
+    damaged.mkdir(parents=True)
+    (damaged / INDEX).write_bytes(b"{not an index" + b"\0" * 64)
     result = cli("peer", "--config", "configs/tiny.yaml", "--solo", "--out", str(tmp_path),
                      "--data.max_documents", "60")
     assert result.returncode == 1
-    assert "corrupt checkpoint" in result.stderr and "checkpoint.pt" in result.stderr
+    assert "corrupt checkpoint" in result.stderr and "round-000001" in result.stderr
     last = (tmp_path / "log.txt").read_text().strip().splitlines()[-1]  # the log alone says how it ended
     assert "swarm: error:" in last and "corrupt checkpoint" in last and "Traceback" not in result.stderr
-    assert (tmp_path / "checkpoint" / "checkpoint.pt").read_bytes() == b"SWRMCKP1" + b"\0" * 64
+    assert (damaged / INDEX).read_bytes() == b"{not an index" + b"\0" * 64  # left as it was
 
 
 class PoisonedDonor(SoloAverager):
