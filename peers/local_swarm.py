@@ -21,68 +21,18 @@ import math
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from peers.forkserver import Forked, ForkServer
+from peers.children import Child, bootstrap_maddr, spawn_child, stop_children
+from peers.forkserver import ForkServer
 from swarm.config import Config
 from swarm.errors import SwarmError, UsageError, stop_on
 from swarm.net.attacks import ATTACKS
 from swarm.report import format_table, write_summary
-
-BOOTSTRAP_TIMEOUT_S = 60.0  # the bootstrap prints its multiaddrs within seconds; past this it is broken
-STOP_GRACE_S = 15.0  # a peer asked to stop gets this long to shut down its DHT before SIGKILL
-
-
-@dataclass
-class Child:
-    name: str
-    proc: Forked
-    out_dir: Optional[Path]
-
-
-def spawn_child(server: ForkServer, name: str, argv: list[str], log_path: Path,
-                out_dir: Optional[Path] = None) -> Child:
-    """`swarm <argv>` forked by `server`, in a session of its own, logging to `log_path`; it gets SIGTERM when
-    this launcher dies (peers/forkserver.py)."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log_path.touch()  # readers may look before the child opens it
-    return Child(name, server.spawn(argv, log_path, env={**os.environ, "PYTHONUNBUFFERED": "1"}), out_dir)
-
-
-def stop_children(children: list[Child]) -> None:
-    """SIGTERM every live child, wait up to STOP_GRACE_S, then SIGKILL each child's whole process group."""
-    for child in children:
-        if child.proc.poll() is None:
-            child.proc.send_signal(signal.SIGTERM)
-    deadline = time.time() + STOP_GRACE_S
-    for child in children:
-        try:
-            child.proc.wait(timeout=max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            pass
-    for child in children:
-        try:
-            os.killpg(child.proc.pid, signal.SIGKILL)  # the group also holds the DHT child and p2pd
-        except ProcessLookupError:
-            pass
-        child.proc.wait()
-
-
-def bootstrap_maddr(child: Child, log_path: Path) -> str:
-    deadline = time.time() + BOOTSTRAP_TIMEOUT_S
-    while time.time() < deadline:
-        if child.proc.poll() is not None:
-            raise SwarmError(f"the bootstrap peer exited with status {child.proc.returncode}: see {log_path}")
-        for line in log_path.read_text().splitlines():
-            if line.startswith("/ip4/127.0.0.1/") and "/p2p/" in line:
-                return line.strip()
-        time.sleep(0.2)
-    raise SwarmError(f"the bootstrap peer printed no multiaddr within {BOOTSTRAP_TIMEOUT_S:.0f}s: see {log_path}")
 
 
 def _read_json(path: Path) -> Optional[dict]:
@@ -223,155 +173,192 @@ def _at_the_gate(first: list[Child]) -> bool:
 def run_local(cfg: Config, config_path: str, overrides: list[str], n_peers: int, out_dir: Path,
               kills: list[str] = (), joins: list[int] = (), nproc: int | str = 1, hostile: list[str] = (),
               monitor: bool = True, monitor_port: Optional[int] = None, log_level: str = "info") -> Path:
+    """Run the local swarm to its end (or to Ctrl-C, SIGTERM, SIGHUP: every child stopped, what it did summed up)
+    and return its summary.json."""
     attackers, kill_plan, pending_joins = check_plan(cfg, n_peers, kills, joins, hostile,
                                                      monitor_port if monitor else None)
-    ranks = parse_ranks(str(nproc), n_peers + len(pending_joins))  # per peer: (processes, inner.parallel or None)
-    start = time.time()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    children: list[Child] = []
-    peers: list[Child] = []
-    events: list[dict] = []
-    held: dict[str, tuple[Path, int]] = {}  # joiners not let in yet: their hold file, the round they join at
-    watch = None  # the monitor
-
-    def event(kind: str, **fields) -> None:
-        events.append({"event": kind, "time": time.time(), **fields})
-        print(f"[{time.time() - start:5.0f}s] {kind}: {fields}", flush=True)
-        if watch is not None:
-            watch.view.add_event(time.time(), kind, fields.get("peer", ""),
-                                 ", ".join(f"{k} {v}" for k, v in fields.items() if k != "peer"))
-
+    swarm = LocalSwarm(cfg, out_dir, n_peers, attackers, kill_plan,
+                       parse_ranks(str(nproc), n_peers + len(pending_joins)))
     failed: list[Child] = []
     interrupted: Optional[KeyboardInterrupt] = None
     restore_signals = stop_on(signal.SIGTERM, signal.SIGHUP)  # like Ctrl-C: stop the children, sum up
     server = ForkServer()  # one process imports torch and hivemind; every child is forked from it
     try:
-        boot_log = out_dir / "bootstrap.log"
+        maddr = swarm.start_bootstrap(server, monitor, monitor_port)
+        # Each peer gets its own shard, and `defaults` before the user's overrides (the last one given wins).
+        swarm.common = ["peer", "--config", config_path, *defaults(n_peers, pending_joins), *overrides,
+                        "--initial-peers", maddr, "--diloco.threads", "1", "--logging.progress_bar", "false",
+                        "--swarm.host_maddrs", "/ip4/127.0.0.1/tcp/0", "--log-level", log_level]
+        swarm.start_peers(server, gated=not any(o.startswith(("--faults.hold", "faults.hold")) for o in overrides))
+        swarm.start_joiners(server, pending_joins)
+        swarm.follow()
+        failed = swarm.ended()
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM or SIGHUP: stop every child, then sum up what they did
+        interrupted = e
+        print(f"\nstopping {len(swarm.children)} processes ({e})", flush=True)
+    finally:
+        if swarm.watch is not None:  # first: once the bootstrap is gone, the monitor's last DHT read waits its time-out
+            swarm.watch.close()
+        stop_children(swarm.children)
+        server.close()
+        restore_signals()
+    return swarm.sum_up(failed, interrupted)
+
+
+class LocalSwarm:
+    """The processes of one `swarm local` and what they did: its bootstrap and monitor, the first peers (behind a
+    start gate), the joiners (held until the round they join at), the events (kills, joins, attacks)."""
+
+    def __init__(self, cfg: Config, out_dir: Path, n_peers: int, attackers: dict[int, list[str]],
+                 kill_plan: dict[int, Kill], ranks: list[tuple[int, Optional[str]]]):
+        self.cfg, self.out_dir, self.n_peers, self.attackers, self.kill_plan, self.ranks = \
+            cfg, out_dir, n_peers, attackers, kill_plan, ranks
+        self.start = time.time()
+        self.children: list[Child] = []
+        self.peers: list[Child] = []
+        self.events: list[dict] = []
+        self.held: dict[str, tuple[Path, int]] = {}  # joiners not let in yet: their hold file, the round they join at
+        self.watch = None  # the monitor
+        self.common: list[str] = []  # what every peer runs, less its own options
+        self.gate = out_dir / "start-hold"
+        out_dir.mkdir(parents=True, exist_ok=True)
+
+    def event(self, kind: str, **fields) -> None:
+        self.events.append({"event": kind, "time": time.time(), **fields})
+        print(f"[{time.time() - self.start:5.0f}s] {kind}: {fields}", flush=True)
+        if self.watch is not None:
+            self.watch.view.add_event(time.time(), kind, fields.get("peer", ""),
+                                      ", ".join(f"{k} {v}" for k, v in fields.items() if k != "peer"))
+
+    def start_bootstrap(self, server: ForkServer, monitor: bool, monitor_port: Optional[int]) -> str:
+        """The bootstrap DHT (and the monitor on it); its multiaddr."""
+        boot_log = self.out_dir / "bootstrap.log"
         boot = spawn_child(server, "bootstrap", ["bootstrap", "--swarm.host_maddrs", "/ip4/127.0.0.1/tcp/0"],
                            boot_log)
-        children.append(boot)
+        self.children.append(boot)
         maddr = bootstrap_maddr(boot, boot_log)
         print(f"bootstrap at {maddr}", flush=True)
         if monitor:
-            watch = start_monitor(cfg, maddr, monitor_port)
-            print(f"monitor at {watch.url} (JSON: {watch.url}api/swarm, Prometheus: {watch.url}metrics)", flush=True)
-        # Each peer gets its own shard, and `defaults` before the user's overrides (the last one given wins).
-        common = ["peer", "--config", config_path, *defaults(n_peers, pending_joins), *overrides,
-                  "--initial-peers", maddr, "--diloco.threads", "1", "--logging.progress_bar", "false",
-                  "--swarm.host_maddrs", "/ip4/127.0.0.1/tcp/0", "--log-level", log_level]
+            self.watch = start_monitor(self.cfg, maddr, monitor_port)
+            print(f"monitor at {self.watch.url} (JSON: {self.watch.url}api/swarm, Prometheus: "
+                  f"{self.watch.url}metrics)", flush=True)
+        return maddr
 
-        def start_peer(i: int, *extra: str) -> Child:
-            peer_dir = out_dir / f"peer-{i}"
-            k, parallel = ranks[i]
-            extra = ("--nproc-per-node", str(k), *(["--inner.parallel", parallel] if parallel else []), *extra)
-            child = spawn_child(server, f"peer-{i}", [*common, *extra, "--name", f"peer-{i}", "--out", str(peer_dir),
-                                              "--data.shard", str(i)], peer_dir / "log.txt", peer_dir)
-            children.append(child)
-            peers.append(child)
-            return child
+    def _start_peer(self, server: ForkServer, i: int, *extra: str) -> Child:
+        peer_dir = self.out_dir / f"peer-{i}"
+        k, parallel = self.ranks[i]
+        extra = ("--nproc-per-node", str(k), *(["--inner.parallel", parallel] if parallel else []), *extra)
+        child = spawn_child(server, f"peer-{i}", [*self.common, *extra, "--name", f"peer-{i}", "--out", str(peer_dir),
+                                                  "--data.shard", str(i)], peer_dir / "log.txt", peer_dir)
+        self.children.append(child)
+        self.peers.append(child)
+        return child
 
-        # The start gate: the first peers hold before round 1 until every one of them is there (rounds of a tiny
-        # model end within a second, and a peer that started a few seconds late found the others rounds ahead)
-        gate = out_dir / "start-hold"
-        gated = not any(o.startswith(("--faults.hold", "faults.hold")) for o in overrides)
+    def start_peers(self, server: ForkServer, gated: bool) -> None:
+        """The first N peers. The start gate: they hold before round 1 until every one of them is there (rounds of a
+        tiny model end within a second, and a peer that started a few seconds late found the others rounds ahead)."""
         if gated:
-            gate.touch()
-        for i in range(n_peers):
-            k = kill_plan.get(i)
-            start_peer(i, *(["--faults.hold_round", "1", "--faults.hold_file", str(gate)] if gated else []),
-                       *(["--faults.kill_round", str(k.round), "--faults.kill_phase", k.phase] if k else []),
-                       *(["--faults.hostile", *attackers[i]] if i in attackers else []))
-            if i in attackers:
-                event("hostile", peer=f"peer-{i}", attacks=attackers[i])
-        # Joiners start now, held until the swarm has committed the round before theirs: a process start-up
-        # takes seconds (more on a loaded machine) and must not race the rounds it is meant to join.
-        for round_ in pending_joins:
-            hold = out_dir / f"peer-{len(peers)}" / "hold"
+            self.gate.touch()
+        for i in range(self.n_peers):
+            k = self.kill_plan.get(i)
+            self._start_peer(server, i,
+                             *(["--faults.hold_round", "1", "--faults.hold_file", str(self.gate)] if gated else []),
+                             *(["--faults.kill_round", str(k.round), "--faults.kill_phase", k.phase] if k else []),
+                             *(["--faults.hostile", *self.attackers[i]] if i in self.attackers else []))
+            if i in self.attackers:
+                self.event("hostile", peer=f"peer-{i}", attacks=self.attackers[i])
+
+    def start_joiners(self, server: ForkServer, joins: list[int]) -> None:
+        """Joiners start now, held until the swarm has committed the round before theirs: a process start-up
+        takes seconds (more on a loaded machine) and must not race the rounds it is meant to join."""
+        for round_ in joins:
+            hold = self.out_dir / f"peer-{len(self.peers)}" / "hold"
             hold.parent.mkdir(parents=True, exist_ok=True)
             hold.touch()
-            child = start_peer(len(peers), "--faults.hold_round", "0", "--faults.hold_file", str(hold))
-            held[child.name] = (hold, round_)
-        print(f"started {n_peers} peers{f' and {len(held)} joiners' if held else ''}; "
-              f"logs in {out_dir}/peer-*/log.txt", flush=True)
+            child = self._start_peer(server, len(self.peers), "--faults.hold_round", "0", "--faults.hold_file",
+                                     str(hold))
+            self.held[child.name] = (hold, round_)
+        print(f"started {self.n_peers} peers{f' and {len(self.held)} joiners' if self.held else ''}; "
+              f"logs in {self.out_dir}/peer-*/log.txt", flush=True)
 
+    def follow(self) -> None:
+        """Until every peer let in has exited: open the start gate, let joiners in, note kills, show a line."""
         interactive, last_print, seen_dead = sys.stdout.isatty(), 0.0, set()
-        while any(p.proc.poll() is None for p in peers if p.name not in held):
-            if gate.exists() and (_at_the_gate(peers[:n_peers]) or time.time() - start > START_GATE_S):
-                gate.unlink()
-            statuses = [_read_json(p.out_dir / "status.json") or {} for p in peers]
+        while any(p.proc.poll() is None for p in self.peers if p.name not in self.held):
+            if self.gate.exists() and (_at_the_gate(self.peers[:self.n_peers])
+                                       or time.time() - self.start > START_GATE_S):
+                self.gate.unlink()
+            statuses = [_read_json(p.out_dir / "status.json") or {} for p in self.peers]
             committed = max((s.get("round", 0) for s in statuses), default=0)
-            for name, (hold, round_) in sorted(held.items(), key=lambda item: item[1][1]):
+            for name, (hold, round_) in sorted(self.held.items(), key=lambda item: item[1][1]):
                 if committed >= round_ - 1:
                     hold.unlink()
-                    del held[name]
-                    event("join", peer=name, round=round_)
-            for p in peers:
+                    del self.held[name]
+                    self.event("join", peer=name, round=round_)
+            for p in self.peers:
                 if p.proc.poll() is not None and p.name not in seen_dead:
                     seen_dead.add(p.name)
-                    k = kill_plan.get(int(p.name.split("-")[1]))
+                    k = self.kill_plan.get(int(p.name.split("-")[1]))
                     # a killed rank of a multi-process peer ends its launcher with status 1
-                    several = ranks[int(p.name.split("-")[1])][0] > 1
+                    several = self.ranks[int(p.name.split("-")[1])][0] > 1
                     if k is not None and p.proc.returncode in (-signal.SIGKILL, 1 if several else -signal.SIGKILL):
-                        event("kill", peer=p.name, round=k.round, phase=k.phase)
-            line = _status_line(peers, cfg.diloco.rounds, cfg.diloco.inner_steps, held)
+                        self.event("kill", peer=p.name, round=k.round, phase=k.phase)
+            line = _status_line(self.peers, self.cfg.diloco.rounds, self.cfg.diloco.inner_steps, self.held)
             if interactive:
                 print("\r\033[K" + line[: os.get_terminal_size().columns - 1], end="", flush=True)
             elif time.time() - last_print >= 10:
-                print(f"[{time.time() - start:5.0f}s] {line}", flush=True)
+                print(f"[{time.time() - self.start:5.0f}s] {line}", flush=True)
                 last_print = time.time()
             time.sleep(0.5)
         if interactive:
             print()
-        for name, (_, round_) in held.items():
-            event("join_skipped", peer=name, round=round_, reason="the swarm finished before that round")
-        stop_children([p for p in peers if p.name in held])  # they never took part
-        killed = {e["peer"] for e in events if e["event"] == "kill"}
-        hostile_names = {f"peer-{i}" for i in attackers}
-        failed = [p for p in peers if p.proc.returncode != 0 and p.name not in killed | hostile_names
-                  and p.name not in held]
+
+    def ended(self) -> list[Child]:
+        """The peers that failed (not killed, not hostile, not a joiner the swarm finished without), each named."""
+        for name, (_, round_) in self.held.items():
+            self.event("join_skipped", peer=name, round=round_, reason="the swarm finished before that round")
+        stop_children([p for p in self.peers if p.name in self.held])  # they never took part
+        killed = {e["peer"] for e in self.events if e["event"] == "kill"}
+        hostile_names = {f"peer-{i}" for i in self.attackers}
+        failed = [p for p in self.peers if p.proc.returncode != 0 and p.name not in killed | hostile_names
+                  and p.name not in self.held]
         for p in failed:
             tail = (p.out_dir / "log.txt").read_text().strip().splitlines()[-1:]
             print(f"{p.name} exited with status {p.proc.returncode}: {tail[0] if tail else ''}", flush=True)
-        if watch is not None and watch.error is not None:
-            print(f"the monitor stopped reading the DHT: {watch.error}", flush=True)
-    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM or SIGHUP: stop every child, then sum up what they did
-        interrupted = e
-        print(f"\nstopping {len(children)} processes ({e})", flush=True)
-    finally:
-        if watch is not None:  # first: once the bootstrap is gone, the monitor's last DHT read waits out its time-out
-            watch.close()
-        stop_children(children)
-        server.close()
-        restore_signals()
+        if self.watch is not None and self.watch.error is not None:
+            print(f"the monitor stopped reading the DHT: {self.watch.error}", flush=True)
+        return failed
 
-    summaries = []
-    for p in (p for p in peers if p.name not in held):
-        summary = _read_json(p.out_dir / "peer.json")
-        if summary is not None:
-            if int(p.name.split("-")[1]) in attackers:
-                summary["hostile"] = attackers[int(p.name.split("-")[1])]
-            summaries.append(summary)
-            events += [{**e, "peer": p.name} for e in summary.get("events", [])]
-    if not summaries:
+    def sum_up(self, failed: list[Child], interrupted: Optional[KeyboardInterrupt]) -> Path:
+        """summary.json, loss.png and the table from what the peers wrote; then what ended the run, raised."""
+        summaries, events = [], list(self.events)
+        for p in (p for p in self.peers if p.name not in self.held):
+            summary = _read_json(p.out_dir / "peer.json")
+            if summary is not None:
+                if int(p.name.split("-")[1]) in self.attackers:
+                    summary["hostile"] = self.attackers[int(p.name.split("-")[1])]
+                summaries.append(summary)
+                events += [{**e, "peer": p.name} for e in summary.get("events", [])]
+        if not summaries:
+            if interrupted is not None:
+                raise interrupted
+            raise SwarmError(f"no peer finished; see the logs in {self.out_dir}")
+        events.sort(key=lambda e: e["time"])
+        path = write_summary(self.out_dir, self.cfg.swarm.run_id, f"local x{self.n_peers}", self.cfg.to_dict(),
+                             time.time() - self.start, summaries, events, fault_report(events, summaries))
+        print(format_table(summaries))
+        honest = [s for s in summaries if "hostile" not in s]
+        hashes = {s["final_global_sha256"] for s in honest}
+        print(f"final global parameters: {'identical on every' if len(hashes) == 1 else 'DIFFER across'} "
+              f"{'honest ' if self.attackers else ''}peer ({len(honest)} peers, wall {time.time() - self.start:.0f}s)")
         if interrupted is not None:
+            print(f"summary of the interrupted run in {path}", flush=True)
             raise interrupted
-        raise SwarmError(f"no peer finished; see the logs in {out_dir}")
-    events.sort(key=lambda e: e["time"])
-    path = write_summary(out_dir, cfg.swarm.run_id, f"local x{n_peers}", cfg.to_dict(), time.time() - start,
-                         summaries, events, fault_report(events, summaries))
-    print(format_table(summaries))
-    honest = [s for s in summaries if "hostile" not in s]
-    hashes = {s["final_global_sha256"] for s in honest}
-    print(f"final global parameters: {'identical on every' if len(hashes) == 1 else 'DIFFER across'} "
-          f"{'honest ' if attackers else ''}peer ({len(honest)} peers, wall {time.time() - start:.0f}s)")
-    if interrupted is not None:
-        print(f"summary of the interrupted run in {path}", flush=True)
-        raise interrupted
-    if failed:
-        raise SwarmError(f"{len(failed)} of {len(peers)} peers failed ({', '.join(p.name for p in failed)}); "
-                         f"summary in {path}")
-    check_agreement(summaries, cfg.diloco.rounds, path)
-    return path
+        if failed:
+            raise SwarmError(f"{len(failed)} of {len(self.peers)} peers failed ({', '.join(p.name for p in failed)}); "
+                             f"summary in {path}")
+        check_agreement(summaries, self.cfg.diloco.rounds, path)
+        return path
 
 
 def check_agreement(summaries: list[dict], rounds: int, path: Path) -> None:

@@ -10,8 +10,8 @@ from typing import Iterator
 
 import torch
 
+from peers.children import Child, spawn_child, stop_children
 from peers.forkserver import ForkServer
-from peers.local_swarm import Child, spawn_child, stop_children
 from swarm.config import SwarmConfig
 
 # A model and run that make a 3-peer round take a few seconds on 2 cores; blocking rounds (configs/tiny.yaml

@@ -17,8 +17,8 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils.serializer import MSGPackSerializer
 from pydantic.v1 import ValidationError
 
+from peers.children import spawn_child
 from peers.join import _count, check_overrides, describe_run, format_runs, write_config
-from peers.local_swarm import spawn_child
 from swarm.config import PER_PEER_KEYS, Config, is_per_peer
 from swarm.configfile import config_from_dict, load_config
 from swarm.errors import UsageError

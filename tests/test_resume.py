@@ -15,8 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from peers.children import spawn_child
 from peers.folder import claim, peer_name
-from peers.local_swarm import spawn_child
 from swarm.checkpoint import Checkpointer
 from swarm.cli import main
 from swarm.configfile import load_config
