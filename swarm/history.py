@@ -13,6 +13,36 @@ from swarm.diloco import DiLoCo, PseudoGradient
 
 
 @dataclass
+class RoundFacts:
+    """What a round measured by the time its closing exchange starts (the round is recorded when it settles)."""
+
+    train_loss: float
+    compute_s: float  # its inner steps
+    start: float  # time.perf_counter() when its inner steps began
+    tokens_per_s: float
+    dump: Optional[dict[str, Any]] = None  # logging.dump_tensors: the exchange's inputs (`round_inputs`)
+
+
+@dataclass
+class ExchangeCost:
+    """What the exchanges settled since the last round closed cost, summed: every fragment's, for the round they
+    close."""
+
+    comm_s: float = 0.0  # matchmaking and all-reduce
+    allreduce_s: float = 0.0
+    wait_s: float = 0.0  # the inner steps stood still for them (delayed exchanges)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    def add(self, comm_s: float, allreduce_s: float, wait_s: float, bytes_sent: int, bytes_received: int) -> None:
+        self.comm_s += comm_s
+        self.allreduce_s += allreduce_s
+        self.wait_s += wait_s
+        self.bytes_sent += bytes_sent
+        self.bytes_received += bytes_received
+
+
+@dataclass
 class RoundRecord:
     """What one committed (or discarded) round leaves in the log and in summary.json."""
 

@@ -13,6 +13,7 @@ train on from a stale state. The words: swarm/__init__.py.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -31,7 +32,7 @@ from swarm.data import TrainBatches, check_vocabulary, load_corpus
 from swarm.diloco import DiLoCo
 from swarm.errors import SwarmError
 from swarm.fragments import Fragment, Fragments
-from swarm.history import PeerHistory, RoundRecord, dump_round, round_inputs
+from swarm.history import ExchangeCost, PeerHistory, RoundFacts, RoundRecord, dump_round, round_inputs
 from swarm.inner import autocast, build_optimizer, evaluate, forward_backward, lr_lambda
 from swarm.metrics import Metrics
 from swarm.model import build_model, count_parameters
@@ -43,7 +44,6 @@ from swarm.trainer_state import TrainerState
 
 log = logging.getLogger("swarm.trainer")
 NON_FINITE_TRIES = 3  # states taken in a row after the local model went NaN/Inf before a peer gives up
-_COMM = dict(comm_s=0.0, allreduce_s=0.0, wait_s=0.0, bytes_sent=0, bytes_received=0)  # summed over a round's exchanges
 
 
 class Trainer(TrainerState):
@@ -68,8 +68,8 @@ class Trainer(TrainerState):
         self.diloco = DiLoCo(self.model, cfg.outer, cfg.diloco.global_device, cfg.diloco.mix_alpha, shards)
         self.fragments = Fragments(self.diloco, cfg.diloco)  # the exchanges' schedule (one fragment: the round's)
         self.exchange: Optional[Exchange] = None  # the exchange in flight (diloco.delay): never more than one
-        self.closing: dict = {}  # what the round that the exchange in flight closes measured: loss, compute time
-        self.comm = dict(_COMM)  # the exchanges settled since the last round closed
+        self.closing: Optional[RoundFacts] = None  # what the round the exchange in flight closes measured
+        self.cost = ExchangeCost()  # the exchanges settled since the last round closed
         self.precision = autocast(cfg.inner.precision, self.device)
         self.optimizer = build_optimizer(self.model, cfg)
         self.train_model = ranks.wrap(self.model, sharded)  # DDP over the peer's ranks, or the model itself
@@ -206,8 +206,8 @@ class Trainer(TrainerState):
             return
         self._publish_progress(inner_start, losses, ready=True)
         tokens = self.cfg.data.batch_size * self.cfg.data.seq_len * len(losses)
-        self.closing = dict(train_loss=sum(losses) / len(losses), compute_s=compute_s, start=start,
-                            tokens_per_s=tokens / compute_s)
+        self.closing = RoundFacts(train_loss=sum(losses) / len(losses), compute_s=compute_s, start=start,
+                                  tokens_per_s=tokens / compute_s)
         self._launch(self.fragments.last)
         if not self.exchange.delayed:
             self._settle()
@@ -243,7 +243,7 @@ class Trainer(TrainerState):
         self.exchange = Exchange(fragment, self.averager, self.samples[fragment.index],
                                  self.error_feedback if closes else None, delayed)
         if closes and self.cfg.logging.dump_tensors and self.ranks.endpoint:
-            self.closing["dump"] = round_inputs(self.exchange.pseudo_grad, self.exchange.samples, self.diloco)
+            self.closing.dump = round_inputs(self.exchange.pseudo_grad, self.exchange.samples, self.diloco)
 
     def _settle(self) -> bool:
         """The one decision point: wait for the exchange in flight and commit it (land its outer step), discard it
@@ -256,9 +256,7 @@ class Trainer(TrainerState):
         outcome, wait_s = exchange.result()
         outcome = self.ranks.share_outcome(outcome, exchange.out, fragment.unwire if self.diloco.shards else None)
         settle_start, committed = time.perf_counter(), outcome.averaged is not None
-        for key, value in [("comm_s", outcome.comm_s), ("allreduce_s", outcome.allreduce_s), ("wait_s", wait_s),
-                           ("bytes_sent", outcome.bytes_sent), ("bytes_received", outcome.bytes_received)]:
-            self.comm[key] += value
+        self.cost.add(outcome.comm_s, outcome.allreduce_s, wait_s, outcome.bytes_sent, outcome.bytes_received)
         where = f"round {self.diloco.round + 1}" + (f": fragment {fragment.index}" if not closes else "")
         if checkpoint and not committed and not exchange.delayed:
             self.checkpointer.abort()
@@ -379,13 +377,13 @@ class Trainer(TrainerState):
             self.last_eval = (self.diloco.round, eval_loss)
         eval_s = time.perf_counter() - eval_start
         record = RoundRecord(
-            round=self.diloco.round, committed=committed, train_loss=facts["train_loss"], eval_loss=eval_loss,
+            round=self.diloco.round, committed=committed, train_loss=facts.train_loss, eval_loss=eval_loss,
             global_sha256=self.diloco.global_sha256(), group_size=outcome.group_size,
-            samples=outcome.total_samples, compute_s=facts["compute_s"], **self.comm,
-            tokens_per_s=facts["tokens_per_s"], note=outcome.note, time=time.time(), eval_s=eval_s,
-            start_time=time.time() - (time.perf_counter() - facts["start"]),
+            samples=outcome.total_samples, compute_s=facts.compute_s, **dataclasses.asdict(self.cost),
+            tokens_per_s=facts.tokens_per_s, note=outcome.note, time=time.time(), eval_s=eval_s,
+            start_time=time.time() - (time.perf_counter() - facts.start),
         )
-        self.comm = dict(_COMM)
+        self.cost = ExchangeCost()
         self.history.rounds.append(record)
         if committed:
             self.non_finite_tries = 0
@@ -400,7 +398,7 @@ class Trainer(TrainerState):
         if exchange.delayed:  # the snapshot and launch of the exchange, then this close
             record.overhead_s = exchange.launch_s + time.perf_counter() - close_start
         else:
-            record.overhead_s = max(0.0, time.perf_counter() - facts["start"] - facts["compute_s"] - record.comm_s)
+            record.overhead_s = max(0.0, time.perf_counter() - facts.start - facts.compute_s - record.comm_s)
         if committed:
             log.info("round %d committed: train loss %.4f, eval loss %s, group %d, %.0f tokens/s, compute %.1fs, "
                      "comm %.2fs, overhead %.2fs, global %s", record.round, record.train_loss,
@@ -408,7 +406,7 @@ class Trainer(TrainerState):
                      record.compute_s, outcome.comm_s, record.overhead_s, record.global_sha256[:12])
         if self.metrics is not None:
             self.metrics.round(record, self.step)
-        if "dump" in facts:
-            dump_round(self.out_dir / "tensors", len(self.history.rounds), record, facts["dump"], self.diloco)
+        if facts.dump is not None:
+            dump_round(self.out_dir / "tensors", len(self.history.rounds), record, facts.dump, self.diloco)
         if self.on_round is not None:
             self.on_round(record)
