@@ -37,7 +37,7 @@ from swarm.averaging import Averager, Download, Intake, RoundOutcome
 from swarm.config import Config
 from swarm.diloco import PseudoGradient
 from swarm.errors import SwarmError, UsageError
-from swarm.state import TensorSpec
+from swarm.state import Position, TensorSpec
 from swarm.tensors import Buffers
 
 
@@ -176,8 +176,8 @@ class Ranks:
         return got
 
     def share_state(self, tensors: Callable[[], dict[str, torch.Tensor]],
-                    destinations: Callable[[list], dict[str, torch.Tensor]], position: tuple,
-                    sharded: bool = False) -> Optional[tuple]:
+                    destinations: Callable[[list], dict[str, torch.Tensor]], position: Position,
+                    sharded: bool = False) -> Optional[Position]:
         """Every rank takes rank 0's state: its tensors (by name, into `destinations(specs)` on the other
         ranks; not on a sharded peer, whose ranks each hold their own rows) and its `position`, which is returned
         on every rank. None on a single-process peer."""

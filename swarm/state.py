@@ -103,6 +103,25 @@ def set_optimizer_step(optimizer: torch.optim.Optimizer, step: int) -> None:
 
 
 @dataclass(frozen=True)
+class Position:
+    """Where a peer stands in its run: `round` rounds closed, `step` inner steps done in all (the learning-rate
+    schedule's step), `outer_steps` outer steps committed (one per round with one fragment, F with F), `inner`
+    inner steps done in the round under way. What a checkpoint, a taken state and a multi-process peer's ranks
+    hand on as one value."""
+
+    round: int
+    step: int
+    outer_steps: int
+    inner: int = 0
+
+    @classmethod
+    def at_round(cls, round: int, step: int, outer_steps: int | None = None) -> Position:
+        """At the start of a round (inner 0); `outer_steps` one per round unless given (a checkpoint written
+        before fragments existed gives none)."""
+        return cls(round, step, round if outer_steps is None else outer_steps)
+
+
+@dataclass(frozen=True)
 class TensorSpec:
     name: str
     dtype: str  # torch dtype without the prefix: "float32", "bfloat16", "uint8"

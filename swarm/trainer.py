@@ -40,6 +40,7 @@ from swarm.overlap import Exchange
 from swarm.peerdata import Leases, PeerData
 from swarm.ranks import SINGLE, Ranks
 from swarm.sharding import Shards, shard_model
+from swarm.state import Position
 from swarm.trainer_state import TrainerState
 
 log = logging.getLogger("swarm.trainer")
@@ -94,13 +95,18 @@ class Trainer(TrainerState):
         return self.data.batches
 
     # ---- state: the named tensors of swarm/state.py, in checkpoints and for newcomers ------------------
-    def _set_position(self, round: int, step: int, outer_steps: Optional[int] = None, inner: int = 0) -> None:
-        """Round, inner step, outer steps committed (default: one per round) and inner steps done in the round;
-        the learning-rate schedule follows the step. The local model restarts: no local progress to count. Only
-        ever called with no exchange in flight (a state is taken once the exchange that found us behind settled)."""
+    @property
+    def position(self) -> Position:
+        return Position(self.diloco.round, self.step, self.diloco.outer_steps, self.inner)
+
+    def _set_position(self, position: Position) -> None:
+        """Stand at `position`; the learning-rate schedule follows its step. The local model restarts: no local
+        progress to count. Only ever called with no exchange in flight (a state is taken once the exchange that
+        found us behind settled)."""
         assert self.exchange is None, "a position is set with an exchange in flight"
-        self.diloco.round, self.step, self.inner = round, step, inner
-        self.diloco.outer_steps = round if outer_steps is None else outer_steps
+        step = position.step
+        self.diloco.round, self.step, self.inner = position.round, step, position.inner
+        self.diloco.outer_steps = position.outer_steps
         self.samples = [0] * len(self.fragments.all)
         self.scheduler.last_epoch, self.scheduler._step_count = step, step + 1
         lrs = [base * fn(step) for base, fn in zip(self.scheduler.base_lrs, self.scheduler.lr_lambdas)]

@@ -20,7 +20,7 @@ from swarm.averaging import Intake, Snapshot
 from swarm.checkpoint import Checkpointer, CorruptCheckpoint
 from swarm.errors import SwarmError
 from swarm.history import history_from_dict, history_to_dict
-from swarm.state import StateNames, TensorSpec
+from swarm.state import Position, StateNames, TensorSpec
 from swarm.statehash import covers
 from swarm.tensors import dtype_of
 
@@ -112,7 +112,7 @@ class TrainerState:
                     and inner < steps and (inner == 0 or self.fragments.streaming)):
                 raise ValueError(f"state position round={round!r} inner={inner!r} at {outer_steps} outer steps "
                                  f"is not a position of this run")
-            self._set_position(round, round * steps + inner, outer_steps, inner)
+            self._set_position(Position(round, round * steps + inner, outer_steps, inner))
             self.error_feedback = None  # it belonged to the local progress we just dropped
             self.diloco.sync_local()
             self._taken = incoming[0] if incoming else None  # a sharded peer's ranks take their rows of it next
@@ -201,7 +201,7 @@ class TrainerState:
 
         with self.diloco.changing():
             meta = self._load_checkpoint(destinations)
-        self._set_position(meta["round"], meta["step"], meta.get("outer_steps"))  # written before fragments: rounds
+        self._set_position(Position.at_round(meta["round"], meta["step"], meta.get("outer_steps")))
         self.data.restore(meta.get("data", {}), meta["step"])  # its shard and position: taken up in _join
         self.samples[-1] = meta["samples_since_commit"]
         self.diloco.sync_local()
@@ -276,8 +276,7 @@ class TrainerState:
             self._taken = None
         position = self.ranks.share_state(lambda: peer_state.shared_tensors(self.diloco, self.optimizer),
                                           lambda specs: peer_state.destinations(self.diloco, self.optimizer, specs),
-                                          (self.diloco.round, self.step, self.diloco.outer_steps, self.inner),
-                                          sharded=self.diloco.shards is not None)
+                                          self.position, sharded=self.diloco.shards is not None)
         if position is not None and not self.ranks.endpoint:
-            self._set_position(*position)
+            self._set_position(position)
             self.diloco.sync_local()
