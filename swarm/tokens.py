@@ -110,7 +110,7 @@ class Prepared:
     def verify(self) -> None:
         """Re-hash the token files against meta.json (SwarmError naming the folder if they differ), and note the
         files' sizes and times as verified (`verified.json`)."""
-        if _digest(self.folder) != self.meta["sha256"]:
+        if digest(self.folder) != self.meta["sha256"]:
             raise SwarmError(f"prepared corpus {self.folder} fails its hash (tampered or damaged): delete it to "
                              "prepare it again")
         write_stamp(self.folder)
@@ -232,7 +232,7 @@ def _write(folder: Path, cfg: DataConfig, tokenizer, documents, is_eval, progres
         if (partial / f"{split}_keys.txt").stat().st_size == 0:  # one split empty: the other gives one document
             _move(partial, edge[other], other, split, dtype)
     meta = {"format": FORMAT, "dtype": dtype.name, "tokenizer": cfg.tokenizer, "vocab_size": tokenizer.vocab_size,
-            "sep_id": tokenizer.sep_id, "documents": counts["documents"], "sha256": _digest(partial),
+            "sep_id": tokenizer.sep_id, "documents": counts["documents"], "sha256": digest(partial),
             **{f"{s}_tokens": (partial / f"{s}.bin").stat().st_size // dtype.itemsize for s in SPLITS}}
     (partial / "meta.json").write_text(json.dumps(meta, indent=1))
     for path in partial.iterdir():
@@ -364,7 +364,8 @@ def _move(folder: Path, document: tuple, source: str, target: str, dtype: np.dty
     (folder / f"{target}_keys.txt").write_text(json.dumps(key) + "\n")
 
 
-def _digest(folder: Path) -> str:
+def digest(folder: Path) -> str:
+    """The corpus's content hash: sha256 over its token files, train then eval (meta.json's `sha256`)."""
     digest = hashlib.sha256()
     for split in SPLITS:
         with open(folder / f"{split}.bin", "rb") as f:

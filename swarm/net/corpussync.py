@@ -30,13 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
 from hivemind.p2p import P2P, PeerID
 
 from swarm.errors import SwarmError
 from swarm.net.access import Access
 from swarm.net.budget import transfer_deadline
 from swarm.net.wire import Channel, Kind, ProtocolError, serve
-from swarm.tokens import FORMAT, SPLITS, write_stamp
+from swarm.tokens import FORMAT, SPLITS, digest, write_stamp
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class Manifest:
             raise CorpusRefused("a manifest that does not name train.bin and eval.bin")
         for name in FILES:
             size, hashes = sizes[name], pieces[name]
-            if not (type(size) is int and 0 <= size <= MAX_PIECES * PIECE_BYTES and size % (int(dtype[4:]) // 8) == 0
+            if not (type(size) is int and 0 <= size <= MAX_PIECES * PIECE_BYTES and size % np.dtype(dtype).itemsize == 0
                     and isinstance(hashes, list) and len(hashes) == -(-size // PIECE_BYTES)
                     and all(isinstance(h, bytes) and len(h) == 32 for h in hashes)):
                 raise CorpusRefused(f"a manifest whose {name} size or piece hashes do not fit")
@@ -209,16 +210,10 @@ class Fetch:
     def finish(self, sha256: str, tokenizer: str, vocab_size: int, sep_id: int, donor: str) -> None:
         """Check the whole against the run's hash (CorpusForged, everything dropped, if it differs); then
         meta.json, and the folder renamed into place."""
-        digest = hashlib.sha256()
-        for name in FILES:
-            with open(self.work / name, "rb") as f:
-                while chunk := f.read(1 << 24):
-                    digest.update(chunk)
-        if digest.hexdigest() != sha256:
+        if (got := digest(self.work)) != sha256:
             shutil.rmtree(self.work, ignore_errors=True)
-            raise CorpusForged(f"the pieces {donor} sent hash to {digest.hexdigest()[:16]}, not the run's corpus "
-                               f"{sha256[:16]}")
-        itemsize = int(self.manifest.dtype[4:]) // 8
+            raise CorpusForged(f"the pieces {donor} sent hash to {got[:16]}, not the run's corpus {sha256[:16]}")
+        itemsize = np.dtype(self.manifest.dtype).itemsize
         meta = {"format": FORMAT, "dtype": self.manifest.dtype, "tokenizer": tokenizer, "vocab_size": vocab_size,
                 "sep_id": sep_id, "documents": None, "sha256": sha256, "fetched_from": donor,
                 **{f"{split}_tokens": self.manifest.sizes[f"{split}.bin"] // itemsize for split in SPLITS}}
@@ -253,7 +248,7 @@ async def fetch(p2p: P2P, donor: PeerID, name: str, stall: float, min_bandwidth:
         for name_, piece in into.missing():
             await channel.send_control(Kind.HELLO, {"file": name_, "piece": piece})
             size = min(manifest.sizes[name_] - piece * PIECE_BYTES, PIECE_BYTES)
-            data, digest, budget = bytearray(), hashlib.sha256(), transfer_deadline(size, stall, min_bandwidth)
+            data, hashed, budget = bytearray(), hashlib.sha256(), transfer_deadline(size, stall, min_bandwidth)
             try:
                 async with asyncio.timeout(budget):  # a donor that trickles is left for the next
                     while len(data) < size:
@@ -261,11 +256,11 @@ async def fetch(p2p: P2P, donor: PeerID, name: str, stall: float, min_bandwidth:
                         if not frame:
                             raise ProtocolError(f"{donor} sent an empty frame")
                         data += frame
-                        digest.update(frame)
+                        hashed.update(frame)
             except TimeoutError:
                 raise CorpusRefused(f"piece {piece} of {name_} from {donor} not done within {budget:.0f} s "
                                     f"(swarm.min_bandwidth)") from None
-            if digest.digest() != manifest.pieces[name_][piece]:
+            if hashed.digest() != manifest.pieces[name_][piece]:
                 raise CorpusRefused(f"piece {piece} of {name_} from {donor} does not match its hash")
             await loop.run_in_executor(None, into.write, name_, piece, bytes(data))
             progress(len(data))
