@@ -44,7 +44,8 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from hivemind.p2p import PeerID
 
-from swarm.net.wire import HEADER, Channel, Kind, ProtocolError, Stalled, Traffic, WireError
+from swarm.net.tasks import cancel_all
+from swarm.net.wire import HEADER, Channel, Kind, ProtocolError, Stalled, Traffic, WireError, closed
 
 logger = logging.getLogger(__name__)
 
@@ -152,8 +153,7 @@ class DataPlane:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._unauthenticated >= MAX_UNAUTHENTICATED:
-            writer.close()
-            return
+            return await closed(writer, self.stall)
         self._unauthenticated += 1
         channel = entry = None
         try:
@@ -169,8 +169,7 @@ class DataPlane:
         finally:
             self._unauthenticated -= 1
         if channel is None or self._tickets.get(ticket) is not entry or entry.taken.done():
-            writer.close()
-            return
+            return await closed(writer, self.stall)
         del self._tickets[ticket]
         _nodelay(writer)
         self.accepted += 1
@@ -253,18 +252,19 @@ async def answer(plane: Optional[DataPlane], channel: Channel, stall: float) -> 
         return channel
     offer, ticket = plane.offer(channel.peer)
     await channel.send_control(Kind.HELLO, offer)
-    declined = asyncio.ensure_future(channel.recv_control())
+    declined, done = asyncio.ensure_future(channel.recv_control()), set()
     try:
         done, _ = await asyncio.wait({ticket.taken, declined}, timeout=stall, return_when=asyncio.FIRST_COMPLETED)
     finally:
         plane.withdraw(offer["ticket"])
+        if declined not in done:
+            cancel_all([declined])
     if declined in done:  # the member's own word: it stays on this stream
         if ticket.taken.done() and not ticket.taken.cancelled():
             ticket.taken.result().close()
         if declined.result().get("direct") is not False:
             raise ProtocolError(f"{channel.peer} sent a second HELLO that is not a data-plane refusal")
         return channel
-    declined.cancel()
     if not done:
         raise Stalled(f"{channel.peer} neither dialed our data plane nor declined it within {stall:g} s")
     direct = ticket.taken.result()

@@ -39,6 +39,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from swarm.errors import SwarmError
 from swarm.net.access import Access
 from swarm.net.limits import streams_of
+from swarm.net.tasks import keep
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +126,7 @@ class Channel:
         self._reading = asyncio.Lock()  # asyncio allows one reader per stream: frames and `drain` take turns
         self.peer_failed = False  # the peer sent FAIL: it closes once we do, so draining it waits for nothing
         self.on_first_frame: Callable[[], None] | None = None  # called once the frame under `deadline` is whole
+        self._closing: asyncio.Future | None = None  # `close`'s wait for the stream's end
 
     def count_into(self, traffic: Traffic) -> None:
         """From now on count this channel's bytes (and those so far) in `traffic`."""
@@ -260,8 +262,10 @@ class Channel:
             pass
 
     def close(self) -> None:
-        if not self.writer.is_closing():
+        """Close the stream: what we wrote still goes out, for at most `stall` s; then the stream is cut."""
+        if self._closing is None:
             self.writer.close()
+            self._closing = keep(asyncio.ensure_future(closed(self.writer, self.stall)), _CLOSING)
 
     async def _read(self, n: int) -> bytearray:
         """`n` bytes, in a buffer that grows as they arrive (never allocated at `n` before they do)."""
@@ -281,6 +285,24 @@ class Channel:
             raise Closed(f"stream from {self.peer} broke: {e}") from None
         self.traffic.received += n
         return buffer
+
+
+_CLOSING: set[asyncio.Future] = set()  # streams closing, until they have (asyncio holds tasks weakly)
+
+
+async def closed(writer: asyncio.StreamWriter, stall: float) -> None:
+    """Wait for a stream we closed to end, at most `stall` s (then cut it: the peer reads nothing more), and take
+    the error a broken stream ended with, which its readers and writers have seen as their own (tasks.py says
+    why it must be taken). The wait is shielded: cancelling it would cancel the stream's own close future, which
+    others may be waiting on too."""
+    writer.close()
+    ending = asyncio.shield(writer.wait_closed())
+    try:
+        if not (await asyncio.wait({ending}, timeout=stall))[0]:
+            writer.transport.abort()
+        await ending
+    except OSError as e:  # ConnectionResetError, BrokenPipeError
+        logger.debug(f"a stream ended with {e!r}")
 
 
 Handler = Callable[[Channel], Awaitable[None]]

@@ -52,7 +52,6 @@ from swarm.net.allreduce.groupstate import (
     Contribution,
     GroupState,
     check_weights,
-    together,
 )
 from swarm.net.allreduce.hooks import AllReduceHooks
 from swarm.net.allreduce.layout import Chunk, WireLayout, decode_into, gather, scatter
@@ -63,6 +62,7 @@ from swarm.net.budget import transfer_deadline
 from swarm.net.codec import CodecError
 from swarm.net.dataplane import DataPlane, hosts_of
 from swarm.net.identity import Identity
+from swarm.net.tasks import cancel_all, together
 from swarm.net.wire import Channel, Kind, PeerFailed, ProtocolError, Traffic, WireError, serve
 from swarm.tensors import all_finite
 
@@ -161,9 +161,8 @@ class AllReduce(GroupSlots):
                                     f"incomplete", group.members[late[0]] if late else None, SEEN)
             elif isinstance(e, WireError):
                 e = AllReduceFailed(str(e))
+            cancel_all([watch, *tasks])  # before any await: a cancel of this run must not leave them running
             await group.fail(str(e) or type(e).__name__, getattr(e, "culprit", None), getattr(e, "blame", TOLD))
-            for task in [watch, *tasks]:
-                task.cancel()
             if isinstance(e, AllReduceFailed) and e.culprit is None and group.culprit is not None:
                 e = AllReduceFailed(f"{e} (first failure: {group.failure})", group.culprit, group.blame)
             self._forget(group_id, e if isinstance(e, AllReduceFailed) else group.failed())
@@ -352,7 +351,7 @@ class AllReduce(GroupSlots):
                     await agree.answer(group, channel)
             finally:
                 if sending is not None:
-                    sending.cancel()
+                    cancel_all([sending])
                 group.delivered[i] = math.inf
                 group.settled.add(i)
                 if i not in group.vectors:

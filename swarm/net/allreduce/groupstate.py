@@ -52,18 +52,6 @@ class AllReduceFailed(SwarmError):
         self.culprit, self.blame = culprit, blame
 
 
-async def together(*steps) -> None:
-    """Run `steps` concurrently; the first failure cancels the others and is raised."""
-    tasks = [asyncio.ensure_future(step) for step in steps]
-    try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for task in done:
-            task.result()
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
 def subgroup_id(group_id: bytes, members: Sequence[PeerID], dropped: frozenset[str]) -> bytes:
     """The id of group `group_id` less the members in `dropped` (peer ids), as every member that drops them
     computes it: the old id, then the dropped members' ids in group order."""

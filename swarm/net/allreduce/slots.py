@@ -24,6 +24,7 @@ from hivemind.p2p import P2P, PeerID
 
 from swarm.net.access import Access
 from swarm.net.allreduce.groupstate import AllReduceFailed, GroupState, subgroup_id
+from swarm.net.tasks import cancel_all, keep
 from swarm.net.wire import Channel, Kind, WireError
 
 logger = logging.getLogger(__name__)
@@ -52,9 +53,7 @@ class GroupSlots:
         return asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     def _background(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self._serving.add(task)
-        task.add_done_callback(self._serving.discard)
+        keep(asyncio.ensure_future(coro), self._serving)
 
     def _linger(self, group: GroupState, tasks: list[asyncio.Task]) -> None:
         """Keep a complete group (and its `out`) for groupmates until all are settled, at most `stall` s."""
@@ -64,8 +63,7 @@ class GroupSlots:
             except AllReduceFailed:
                 pass  # a groupmate that neither finished nor left within stall: it has no claim on us any more
             finally:
-                for task in tasks:
-                    task.cancel()
+                cancel_all(tasks)
                 self._forget(group.group_id, AllReduceFailed("this all-reduce is over here"))
         self._background(release())
 
@@ -131,7 +129,7 @@ class GroupSlots:
                 self._told.notify_all()
         group = self.held(group_id)
         if group is not None and peer in group.members:
-            asyncio.ensure_future(group.fail(f"{peer} left the group: {str(reason)[:300]}"))
+            await group.fail(f"{peer} left the group: {str(reason)[:300]}")
         elif group is None and len(self._abandoned) < MAX_PENDING_GROUPS:
             self._abandoned[group_id] = (peer, str(reason)[:300])
             asyncio.get_running_loop().call_later(self.stall, self._abandoned.pop, group_id, None)
