@@ -122,8 +122,9 @@ class Channel:
         self.traffic = traffic or Traffic()
         self.deadline: float | None = None  # loop time by which the next frame must be whole (`serve`: the first)
         self._partial = 0  # bytes of the frame being read so far
-        self._mid_frame = False  # a send was cancelled between the pieces of its frame
+        self._mid_frame = False  # a send ended (stalled, broken) between the pieces of its frame
         self._reading = asyncio.Lock()  # asyncio allows one reader per stream: frames and `drain` take turns
+        self._writing = asyncio.Lock()  # and frames go out one at a time
         self.peer_failed = False  # the peer sent FAIL: it closes once we do, so draining it waits for nothing
         self.on_first_frame: Callable[[], None] | None = None  # called once the frame under `deadline` is whole
         self._closing: asyncio.Future | None = None  # `close`'s wait for the stream's end
@@ -196,20 +197,37 @@ class Channel:
         return value
 
     async def send(self, kind: Kind, payload: bytes | bytearray | memoryview = b"") -> None:
-        header, view = self._frame(kind, memoryview(payload).cast("B"))
-        try:
-            async with asyncio.timeout(self.stall) as watchdog:
-                self.writer.write(header)
-                for offset in range(0, max(len(view), 1), PIECE):
-                    self.writer.write(view[offset:offset + PIECE])
-                    self._mid_frame = offset + PIECE < len(view)
-                    await self.writer.drain()
-                    watchdog.reschedule(asyncio.get_running_loop().time() + self.stall)
-        except TimeoutError:
-            raise Stalled(f"{self.peer} took no byte for {self.stall:g} s (swarm.stall_timeout)") from None
-        except (ConnectionError, RuntimeError) as e:  # RuntimeError: "unable to perform operation on closed ..."
-            raise Closed(f"stream to {self.peer} closed: {e}") from None
+        """One frame. Frames go one at a time: a send waits for the frame in flight (say, a cancelled push
+        finishing its frame, `_finish_frame`), so that a FAIL is read as a FAIL."""
+        async with self._writing:
+            if self._mid_frame:
+                raise Closed(f"stream to {self.peer} broke off in the middle of a frame")
+            header, view = self._frame(kind, memoryview(payload).cast("B"))
+            try:
+                async with asyncio.timeout(self.stall) as watchdog:
+                    self.writer.write(header)
+                    for offset in range(0, max(len(view), 1), PIECE):
+                        self.writer.write(view[offset:offset + PIECE])
+                        self._mid_frame = offset + PIECE < len(view)
+                        try:
+                            await self.writer.drain()
+                        except asyncio.CancelledError:
+                            self._finish_frame(view[offset + PIECE:])
+                            raise
+                        watchdog.reschedule(asyncio.get_running_loop().time() + self.stall)
+            except TimeoutError:
+                raise Stalled(f"{self.peer} took no byte for {self.stall:g} s (swarm.stall_timeout)") from None
+            except (ConnectionError, RuntimeError) as e:  # RuntimeError: "unable to perform operation on closed"
+                raise Closed(f"stream to {self.peer} closed: {e}") from None
         self.traffic.sent += len(header) + len(view)
+
+    def _finish_frame(self, rest: memoryview) -> None:
+        """A send cancelled between the pieces of its frame: the rest goes into the stream's buffer (no wait), so
+        that the stream stays at a frame boundary and our FAIL can follow. Closing instead would tell the peer only
+        that we closed, and it would blame us for a failure we know the culprit of."""
+        if self._mid_frame and not self.writer.is_closing():
+            self.writer.write(rest)
+            self._mid_frame = False
 
     # How a frame travels: as is here; sealed on the data plane (dataplane.SealedChannel).
     def _frame(self, kind: Kind, view: memoryview) -> tuple[bytes, memoryview]:
@@ -228,13 +246,13 @@ class Channel:
         await self.send(kind, MSGPackSerializer.dumps(value))
 
     async def fail(self, reason: str, culprit: PeerID | None = None) -> None:
-        """Tell the peer why we give up (and whom we hold responsible), if it still listens; never raises."""
-        if self._mid_frame:  # a cancelled send left a frame half written: a FAIL would read as its payload
-            return self.close()
+        """Tell the peer why we give up (and whom we hold responsible), if it still listens; never raises. A
+        stream a send broke off mid-frame is closed instead: a FAIL would read as the frame's payload."""
         try:
             await asyncio.wait_for(self.send(Kind.FAIL, fail_payload(reason, culprit)), min(self.stall, 5.0))
         except (WireError, TimeoutError):
-            pass
+            if self._mid_frame:
+                self.close()
 
     async def refuse(self, reason: str, culprit: PeerID | None = None) -> None:
         """`fail`, then wait (at most min(stall, 5) s) for the peer to close, discarding what it still sends.

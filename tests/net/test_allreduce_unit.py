@@ -184,12 +184,15 @@ def test_a_lost_owner_s_part_comes_from_a_groupmate(dhts, caplog):
 def test_an_owner_lost_before_anyone_held_its_part_fails_the_attempt_at_once(dhts):
     """Owner 0 dies before it sends any average: members 1 and 2 each ask the other for part 0, and each answers
     that it lost owner 0 too, so both fail naming owner 0 (not after a stall waited out while each waits for the
-    other), and retry."""
+    other), and retry. Owner 0 dies once it holds every contribution to its part (two chunks: within the window,
+    so no result has to go out first): a stream it closed while it still read from it would read as the member
+    having closed it, and an owner still alive to say so would blame that member."""
     class DiesBeforeResults(AllReduceHooks):  # its streams to the members close; it says nothing more
         async def sending_result(self, group, i, k, channel):
+            await group.wait_for(lambda: group.have[group.me] == len(group.chunks[group.me]), None, "contributions")
             channel.close()
             await asyncio.sleep(3600)
-    members, results = run_group(dhts, [torch.randn(30_000) for _ in range(3)], [1.0] * 3, group_id=b"lost",
+    members, results = run_group(dhts, [torch.randn(12_000) for _ in range(3)], [1.0] * 3, group_id=b"lost",
                                  stall=5.0, chunk_elements=2048, hooks={0: {"hooks": DiesBeforeResults()}})
     for r in results[1:]:  # which stream's end each member sees first varies; none waits out its stall
         assert isinstance(r, AllReduceFailed) and r.culprit == members[0], r

@@ -7,9 +7,10 @@ import socket
 import time
 
 import pytest
+from hivemind.p2p import PeerID
 
 from swarm.net.tasks import cancel_all, together
-from swarm.net.wire import Channel, Closed, Kind
+from swarm.net.wire import Channel, Closed, Kind, PeerFailed
 
 
 async def fails(n: int) -> None:
@@ -67,4 +68,28 @@ def test_a_stream_whose_peer_reads_nothing_is_cut_stall_seconds_after_we_close_i
         channel.close()
         await asyncio.wait_for(channel.writer.wait_closed(), 5.0)
         assert 0.4 < time.monotonic() - start < 2.0  # stall is 0.5 s
+    asyncio.run(main())
+
+
+def test_a_send_cancelled_mid_frame_still_lets_our_fail_through():
+    """A push cancelled between the pieces of its frame (our group failed meanwhile): the frame's rest goes out
+    behind it, then our FAIL, naming the culprit we know; the peer reads a whole frame and then the FAIL, rather
+    than a stream that closed (for which it would blame us)."""
+    async def main():
+        channel, their_reader, their_writer = await pair()
+        theirs = Channel(their_reader, their_writer, "us", stall=5.0)
+        payload = bytes(range(256)) * (16 << 10)  # 4 MiB: more than the sockets hold before the peer reads
+        sending = asyncio.ensure_future(channel.send(Kind.DATA, payload))
+        await asyncio.sleep(0.05)
+        assert not sending.done()
+        sending.cancel()
+        culprit = PeerID(b"\x12\x20" + bytes(32))
+        await channel.fail("lost the owner of part 0", culprit)
+        kind, got = await theirs.recv(len(payload))
+        assert kind == Kind.DATA and got == payload
+        with pytest.raises(PeerFailed) as failed:
+            await theirs.recv(len(payload))
+        assert "lost the owner of part 0" in str(failed.value) and failed.value.culprit == culprit
+        channel.close()
+        theirs.close()
     asyncio.run(main())
