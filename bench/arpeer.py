@@ -34,10 +34,10 @@ def vector(job: dict, numel: int) -> torch.Tensor:
 
 def run_swarm(job: dict) -> list[dict]:
     from swarm.config import SwarmConfig
-    from swarm.diloco import PseudoGradient
     from swarm.net.dht import start_dht
     from swarm.net.identity import load_identity
     from swarm.net.peer import SwarmAverager
+    from swarm.train.diloco import PseudoGradient
 
     n = job["peers"]
     cfg = SwarmConfig(initial_peers=job["initial_peers"], run_id=job["run_id"], compression=job["compression"],

@@ -15,10 +15,10 @@ import torch
 import yaml
 
 from swarm.config import Config
-from swarm.configfile import load_config
-from swarm.data import TrainBatches, load_corpus
-from swarm.inner import evaluate, lr_lambda
-from swarm.model import build_model
+from swarm.data.batches import TrainBatches, load_corpus
+from swarm.run.configfile import load_config
+from swarm.train.inner import evaluate, lr_lambda
+from swarm.train.model import build_model
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"  # full runs (`make bench`): committed

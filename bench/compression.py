@@ -27,9 +27,9 @@ PEERS = 4
 
 
 def real_pseudo_gradient(steps: int) -> list[torch.Tensor]:
-    from swarm.configfile import load_config
-    from swarm.data import TrainBatches, load_corpus
-    from swarm.model import build_model
+    from swarm.data.batches import TrainBatches, load_corpus
+    from swarm.run.configfile import load_config
+    from swarm.train.model import build_model
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
     torch.manual_seed(0)

@@ -20,13 +20,13 @@ import torch
 
 from bench.common import REPO, md_table, results_dir, stamp, tiny_config, train_plain, write_config
 from peers.local_trainers import simulate
-from swarm.data import load_corpus
-from swarm.model import build_model, count_parameters
+from swarm.data.batches import load_corpus
+from swarm.train.model import build_model, count_parameters
 
 M = 4
 # DiLoCo points: (H, outer lr[, diloco.delay[, diloco.fragments, diloco.mix_alpha]]): the outer step lands `delay`
-# inner steps after its exchange started, the exchange running behind them (swarm/overlap.py); with F fragments
-# F exchanges of 1/F of the parameters each are staggered across the round (Streaming DiLoCo, swarm/fragments.py)
+# inner steps after its exchange started, the exchange running behind them (swarm/train/overlap.py); with F fragments
+# F exchanges of 1/F of the parameters each are staggered across the round (Streaming DiLoCo, swarm/train/fragments.py)
 FULL = dict(steps=400, grid=[(10, 0.3), (10, 0.7), (25, 0.7), (50, 0.5), (50, 0.7), (50, 1.0), (100, 1.0),
                              (10, 0.3, 5), (50, 0.7, 5), (50, 0.7, 25),
                              (50, 0.7, 5, 2, 0.0), (50, 0.7, 5, 2, 0.5), (50, 0.7, 5, 4, 0.5)],

@@ -1,4 +1,4 @@
-"""Prepared corpora (swarm/tokens.py): prepare throughput, and what a peer's memory and start-up owe to the corpus.
+"""Prepared corpora (swarm/data/tokens.py): prepare throughput, and what a peer's memory and start-up owe to the corpus.
 
 For generated text corpora of growing size (one document per line, words drawn from a fixed vocabulary): the
 time and peak RSS of preparing each with byte tokens, in a process of its own; then, in a fresh process per
@@ -28,11 +28,11 @@ BATCH, SEQ = 32, 1024
 CHILD = r'''
 import json, resource, sys, time
 start = time.perf_counter()
-from swarm.configfile import load_config
-from swarm.data import load_corpus, TrainBatches
+from swarm.run.configfile import load_config
+from swarm.data.batches import load_corpus, TrainBatches
 if sys.argv[1] == "peer":  # imported before the clock starts: the same for every corpus size
-    from swarm.averaging import SoloAverager
-    from swarm.trainer import Trainer
+    from swarm.train.averaging import SoloAverager
+    from swarm.train.trainer import Trainer
 mode, dataset, cache, tokenizer = sys.argv[1:5]
 cfg = load_config("configs/tiny.yaml", {"data": {"source": "hf", "dataset": dataset, "cache_dir": cache,
     "tokenizer": tokenizer, "num_shards": 64, "seq_len": 128, "batch_size": 8}, "diloco": {"rounds": 1,
@@ -117,7 +117,7 @@ def step_tokens_per_s() -> float:
     """What one rank of the 150M recipe (configs/llama-150m.yaml) consumes at most: an H200's dense bf16 peak
     (989 TFLOP/s) over the step's FLOPs per token, 6 x parameters + 12 x layers x hidden x seq_len (attention),
     i.e. 100% MFU; a real step (30-50% MFU) consumes less. An estimate from the config, not a measurement."""
-    from swarm.configfile import load_config
+    from swarm.run.configfile import load_config
 
     cfg = load_config(REPO / "configs" / "llama-150m.yaml", {})
     m, d = cfg.model, cfg.model.hidden_size

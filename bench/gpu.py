@@ -28,10 +28,10 @@ from typing import Optional
 import torch
 
 from bench.common import REPO, commit, md_table, stamp
-from swarm.configfile import load_config
-from swarm.data import TrainBatches, load_corpus
-from swarm.inner import lr_lambda
-from swarm.model import build_model
+from swarm.data.batches import TrainBatches, load_corpus
+from swarm.run.configfile import load_config
+from swarm.train.inner import lr_lambda
+from swarm.train.model import build_model
 
 NEEDS_CUDA = True
 RECIPE = REPO / "configs" / "llama-150m.yaml"

@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 from bench.common import REPO, md_table, stamp
-from swarm.configfile import load_config
-from swarm.data import load_corpus
-from swarm.model import build_model, count_parameters
+from swarm.data.batches import load_corpus
+from swarm.run.configfile import load_config
+from swarm.train.model import build_model, count_parameters
 
 CONFIG = REPO / "configs" / "scale-85m.yaml"
 FULL = dict(overrides=[], rounds=4, inner_steps=10)

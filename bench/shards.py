@@ -1,5 +1,5 @@
-"""Memory per rank of a sharded peer (`inner.parallel: fsdp`, swarm/sharding.py): one `swarm peer --solo` of K = 1,
-2, 4 ranks on a model of >= 50M parameters, one round of 2 inner steps, and each rank's peak resident memory
+"""Memory per rank of a sharded peer (`inner.parallel: fsdp`, swarm/train/sharding.py): one `swarm peer --solo`
+of K = 1, 2, 4 ranks on a model of >= 50M parameters, one round of 2 inner steps, and each rank's peak resident memory
 (ru_maxrss, which each rank writes to ranks/rank-<k>.json) against its share of the training state.
 
 The training state is 24 bytes per parameter (fp32 parameters, gradients, both AdamW moments, global parameters
@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 from bench.common import REPO, md_table, stamp
-from swarm.configfile import load_config
-from swarm.data import load_corpus
-from swarm.model import build_model
+from swarm.data.batches import load_corpus
+from swarm.run.configfile import load_config
+from swarm.train.model import build_model
 
 BYTES_PER_PARAMETER = 6 * 4
 RUN = ["--data.seq_len", "64", "--model.max_seq_len", "64", "--data.batch_size", "4", "--data.eval_batches", "1",
@@ -43,7 +43,7 @@ MODELS = {
 EXPORT = r'''
 import resource, sys
 from pathlib import Path
-from swarm.export import export_hf
+from swarm.state.export import export_hf
 export_hf(Path(sys.argv[1]), Path(sys.argv[2]))
 print("PEAK", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 '''
@@ -98,7 +98,7 @@ def run(quick: bool) -> dict:
               f"per-process constant (a rank of a 2-rank peer of a 30k-parameter model) {constant / 2**20:.0f} MiB. "
               f"One `swarm peer --solo --inner.parallel fsdp` per K: 1 round of 2 inner steps, batch 4 x 64 tokens, "
               f"1 torch thread per rank on 2 shared cores. The exchange passes through two node-local files (the "
-              f"pseudo-gradient, the average: swarm/sharding.py), read and written a chunk at a time, so rank 0 "
+              f"pseudo-gradient, the average: swarm/train/sharding.py), read and written a chunk at a time, so rank 0 "
               f"holds no more than the others (the files' pages are the page cache's, not a process's).")
     table += "\n\n" + md_table(
         ["`swarm export` of the 2-rank checkpoint", "peak RSS, MiB", "over the constant, MiB", "global parameters, MiB",

@@ -17,9 +17,9 @@ import torch
 
 from bench.common import md_table, stamp, tiny_config
 from bench.swarmrun import run_swarm
-from swarm.data import load_corpus
-from swarm.model import build_model
+from swarm.data.batches import load_corpus
 from swarm.net.codec import FP32_BELOW, get_codec
+from swarm.train.model import build_model
 
 BITS = {"none": 32, "fp16": 16, "int8": 8, "int4": 4}
 

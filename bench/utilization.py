@@ -68,7 +68,7 @@ def replayed(compute: list[list[float]], h: int, t_comm: float, delay: int, frag
     """The round model replayed over the rounds a swarm ran: `compute[i][r]`, peer i's measured inner-step
     seconds in round r, spread evenly over its H inner steps (peers of unequal and varying speed, as 4 processes
     on 2 shared cores are). Each exchange starts when a peer reaches its start step (fragment f of a round:
-    after inner step (f + 1) H // F, as in swarm/fragments.py), ends `t_comm` after the *last* peer started it,
+    after inner step (f + 1) H // F, as in swarm/train/fragments.py), ends `t_comm` after the *last* peer started it,
     and lands `delay` inner steps after its start, where a peer that gets there first waits; with delay 0 every
     peer waits for it where it started. Returns each peer's steady-state utilization (rounds 2 to R-1), the
     terms the closed-form model has no room for: waiting for the slowest peer, at every exchange."""

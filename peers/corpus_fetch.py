@@ -22,13 +22,13 @@ from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
 from swarm.config import Config, live_window
+from swarm.data.tokens import corpus_folder
 from swarm.errors import SwarmError
 from swarm.net import policy, schema
 from swarm.net.corpussync import CorpusRefused, Fetch, fetch
 from swarm.net.wire import WireError
-from swarm.progress import clock
-from swarm.runid import RunIdentity
-from swarm.tokens import corpus_folder
+from swarm.run.progress import clock
+from swarm.run.runid import RunIdentity
 
 log = logging.getLogger("swarm.join")
 
@@ -70,7 +70,7 @@ def fetch_corpus(cfg: Config, run: RunIdentity) -> Path:
     """Fetch the corpus of `run` (its hash) from its live peers into `corpus_folder(cfg.data)`; SwarmError naming
     what was tried if no peer gave it."""
     from peers.join import probe_config
-    from swarm.data import build_tokenizer
+    from swarm.data.batches import build_tokenizer
     from swarm.net.dht import start_dht
 
     folder = corpus_folder(cfg.data)

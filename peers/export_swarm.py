@@ -8,7 +8,7 @@ a client-mode `SwarmAverager` (it serves nothing and owns no part of any all-red
 name and checks it against what the swarm committed, as it does for every joiner. Only the global parameters
 are kept, written straight into the model's parameters; the rest of the state (outer momentum, AdamW moments)
 passes through one buffer the size of the tensor being received, and is dropped. Then `write_hf`
-(swarm/export.py). The exporter's progress record (round 0, not ready) stays in the DHT until it expires
+(swarm/state/export.py). The exporter's progress record (round 0, not ready) stays in the DHT until it expires
 (`swarm.progress_expiration`).
 """
 
@@ -22,10 +22,10 @@ from typing import Any, Optional
 
 import torch
 
-from swarm.averaging import Intake
 from swarm.errors import SwarmError, UsageError
-from swarm.state import TensorSpec
+from swarm.state.peerstate import TensorSpec
 from swarm.tensors import dtype_of
+from swarm.train.averaging import Intake
 
 log = logging.getLogger("swarm.export")
 
@@ -69,13 +69,13 @@ def export_from_swarm(run_id: str, initial_peers: list[str], overrides: list[str
                       force: bool = False) -> tuple[Path, Optional[int]]:
     """Write the Hugging Face folder `out` from the state run `run_id` committed last; (out, its round)."""
     from peers.join import joined_config
-    from swarm.data import build_tokenizer
-    from swarm.export import check_target, write_hf
-    from swarm.model import build_model
+    from swarm.data.batches import build_tokenizer
     from swarm.net.dht import start_dht
     from swarm.net.identity import load_identity, with_work
     from swarm.net.peer import SwarmAverager
-    from swarm.pretrained import check
+    from swarm.state.export import check_target, write_hf
+    from swarm.state.pretrained import check
+    from swarm.train.model import build_model
 
     check_target(out, dtype, force)
     cfg, run = joined_config(run_id, initial_peers, overrides)

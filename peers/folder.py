@@ -7,7 +7,7 @@
     swarm local --config C                        runs/<run>/, its peers in runs/<run>/peer-<i>/
 
 After a crash, a reboot or Ctrl-C the same command finds the same folder and resumes from its checkpoint (a
-networked peer then takes the swarm's state if the swarm is further: swarm/trainer_state.py `catch_up`);
+networked peer then takes the swarm's state if the swarm is further: swarm/train/trainer_state.py `catch_up`);
 `--fresh` deletes the folder's checkpoints and metrics.csv first. The first log line says which it does.
 
 A peer's name (`peer_name`) is not its folder's: `--name` if given, else the hostname and the end of the peer id of
@@ -127,7 +127,7 @@ def peer_name(given: Optional[str], peer_id: str) -> str:
 def start(folder: Path, cfg: Config, fresh: bool, networked: bool) -> None:
     """Delete the folder's checkpoints, metrics and ledger with `fresh`; then log, as the peer's first line, whether it
     resumes (and from which round) or starts fresh."""
-    from swarm.checkpoint import Checkpointer, CorruptCheckpoint
+    from swarm.state.checkpoint import Checkpointer, CorruptCheckpoint
 
     where = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else folder / "checkpoint"
     checkpoints = Checkpointer(where)

@@ -42,10 +42,10 @@ from pathlib import Path
 from typing import Optional
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-PRELOAD = ("peers.node", "peers.join", "peers.local_swarm", "swarm.trainer", "swarm.net.peer",
+PRELOAD = ("peers.node", "peers.join", "peers.local_swarm", "swarm.train.trainer", "swarm.net.peer",
            "swarm.net.dht", "matplotlib.pyplot", "torch.distributed.fsdp")
 """What every kind of peer imports on its way to training (matplotlib: the summary's loss plot; FSDP: ~2 s, what
-each rank of a sharded peer would import at once otherwise, swarm/sharding.py). Not the modules
+each rank of a sharded peer would import at once otherwise, swarm/train/sharding.py). Not the modules
 that children run (`swarm.cli`): `runpy` runs those afresh, as `python -m` does."""
 START_TIMEOUT_S = 120.0  # the server imports for ~4 s on an idle 2-core machine; past this it is broken
 REAP_INTERVAL_S = 0.05  # how often the server looks for children that exited
@@ -200,7 +200,7 @@ class _ServerFork:
         pid = os.fork()
         if pid == 0:
             try:
-                from swarm import logs
+                from swarm.run import logs
 
                 os.setsid()
                 die_with(launcher)

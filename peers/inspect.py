@@ -1,7 +1,7 @@
 """`swarm config show` and `--dry-run`: what a peer would run, checked, without training.
 
 `show_config` prints the resolved config (file, then overrides, `diloco.delay: auto` resolved) as YAML with the
-per-peer keys marked, the hash of the run config, and the run's fingerprint (swarm/runid.py) when the corpus
+per-peer keys marked, the hash of the run config, and the run's fingerprint (swarm/run/runid.py) when the corpus
 is prepared. `dry_run` checks everything a peer needs before it trains (its run folder is writable, the
 metrics sinks it asks for are installed, the corpus prepares and opens, its identity file loads or can be
 created, its addresses parse) and prints what it found; for `swarm join`, also whether the run would let
@@ -20,7 +20,7 @@ import yaml
 
 from swarm.config import CORPUS_LOCATION_KEYS, Config, is_per_peer, per_peer_keys
 from swarm.errors import SwarmError, UsageError
-from swarm.runid import RunIdentity, run_identity, weights_sha256
+from swarm.run.runid import RunIdentity, run_identity, weights_sha256
 
 
 def _value(value) -> str:
@@ -54,7 +54,7 @@ def show_config(cfg: Config, path: Optional[str], overrides: list[str]) -> str:
 def run_identity_if_prepared(cfg: Config) -> Optional[RunIdentity]:
     """The run's identity if its corpus is on disk already (nothing is tokenized to show a config)."""
     from swarm.config import shared_config
-    from swarm.tokens import corpus_folder
+    from swarm.data.tokens import corpus_folder
 
     meta = corpus_folder(cfg.data) / "meta.json"
     if not meta.exists():
@@ -79,9 +79,9 @@ def dry_run(cfg: Config, out: Path, networked: bool, run: Optional[RunIdentity] 
     `local_peers`: `out` is the folder of a `swarm local` of that many peers, each in its own `peer-<i>/`.
     The memory plan is printed first, on any machine: a machine that cannot hold it then exits 2 naming why."""
     from peers.prepare import check_prepared
-    from swarm.data import load_corpus
-    from swarm.metrics import check_available
-    from swarm.ranks import check_batch
+    from swarm.data.batches import load_corpus
+    from swarm.run.metrics import check_available
+    from swarm.train.ranks import check_batch
 
     check_batch(cfg, nproc)
     _writable(out, "--out")
@@ -119,17 +119,17 @@ def _size(nbytes: float) -> str:
 
 
 def memory_plan(cfg: Config, nproc: int, vocab_size: int) -> None:
-    """Print what each rank would hold (swarm/accounting.py), then UsageError if this machine cannot: too few
+    """Print what each rank would hold (swarm/train/accounting.py), then UsageError if this machine cannot: too few
     devices, a device too small, or too little memory for the node's ranks, naming the biggest item."""
-    from swarm import accounting
-    from swarm.ranks import check_devices
+    from swarm.train import accounting
+    from swarm.train.ranks import check_devices
 
     shapes = accounting.shapes_of(cfg, vocab_size)
     items = accounting.plan(cfg, shapes, nproc, vocab_size)
     total = accounting.memory(cfg, shapes, nproc, vocab_size)
     params = f"{shapes.params / 1e9:.1f}B" if shapes.params >= 1e9 else f"{shapes.params / 1e6:.1f}M"
     print(f"memory per rank ({nproc} rank(s), inner.parallel {cfg.inner.parallel}, {params} parameters; "
-          f"swarm/accounting.py, an estimate):")
+          f"swarm/train/accounting.py, an estimate):")
     for item in items:
         print(f"  {item.where:<10} {_size(item.bytes):>11}  {item.what}")
     print(f"  = {_size(total['device_per_rank'])} on each device ({cfg.diloco.device}), "

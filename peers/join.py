@@ -27,13 +27,13 @@ import yaml
 from hivemind.utils.timed_storage import get_dht_time
 
 from swarm.config import CORPUS_LOCATION_KEYS, Config, SwarmConfig, is_per_peer, joinable_keys, live_window
-from swarm.configfile import config_from_dict, load_config, parse_overrides
 from swarm.errors import SwarmError, UsageError
 from swarm.net import policy, schema
 from swarm.net.manifest import ManifestRefused, choose_manifest, fetch_manifest
 from swarm.net.policy import run_fingerprint
 from swarm.net.schema import CommitRecord, IndexRecord, ManifestRecord, ProgressRecord, RunRecord
-from swarm.runid import RunIdentity
+from swarm.run.configfile import config_from_dict, load_config, parse_overrides
+from swarm.run.runid import RunIdentity
 
 log = logging.getLogger("swarm.join")
 

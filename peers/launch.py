@@ -4,7 +4,7 @@
 again (~4 s of CPU each, all at once); a peer on one node needs none of its elastic machinery. `launch_ranks`
 forks K ranks from this process instead, before any thread is started, and gives each the environment
 torchrun's workers get (`RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`:
-swarm/ranks.py joins the process group from them), so `torchrun --nproc-per-node K -m swarm.cli peer ...` still
+swarm/train/ranks.py joins the process group from them), so `torchrun --nproc-per-node K -m swarm.cli peer ...` still
 works the same. CUDA is first touched inside the ranks, never here, so forking is safe on a GPU node.
 
 As under torchrun: a rank that fails (non-zero exit, or killed) ends the peer: the others get SIGTERM, then

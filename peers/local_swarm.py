@@ -32,7 +32,7 @@ from peers.forkserver import ForkServer
 from swarm.config import Config
 from swarm.errors import SwarmError, UsageError, stop_on
 from swarm.net.attacks import ATTACKS
-from swarm.report import format_table, write_summary
+from swarm.run.report import format_table, write_summary
 
 
 def _read_json(path: Path) -> Optional[dict]:

@@ -9,18 +9,18 @@ from pathlib import Path
 
 import torch
 
-from swarm.averaging import SimAverager, SoloAverager
 from swarm.config import Config
 from swarm.errors import UsageError
-from swarm.progress import Progress
-from swarm.ranks import Ranks
-from swarm.report import format_table, peer_summary, write_summary
-from swarm.trainer import Trainer
+from swarm.run.progress import Progress
+from swarm.run.report import format_table, peer_summary, write_summary
+from swarm.train.averaging import SimAverager, SoloAverager
+from swarm.train.ranks import Ranks
+from swarm.train.trainer import Trainer
 
 
 def run_solo(cfg: Config, out_dir: Path) -> Path:
     """Train one peer without network; write summary.json and loss.png into `out_dir`. On several ranks, the
-    peer's ranks train it together (swarm/ranks.py) and rank 0 writes the summary."""
+    peer's ranks train it together (swarm/train/ranks.py) and rank 0 writes the summary."""
     from peers.node import write_rank
 
     start = time.time()

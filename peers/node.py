@@ -4,18 +4,18 @@ After it signed the run's fingerprint and built its model it stores, where the r
 run's manifest and its entry in the run index (swarm/net/manifest.py: what `swarm join` and `swarm runs`
 read). Besides training it writes, into its run folder, `status.json` (round, inner step, loss; refreshed
 about once a second, for `swarm local`'s live view), `peer.json` (this peer's summary entry) and
-`summary.json`; log.txt and metrics.csv come from swarm/logs.py and swarm/metrics.py. Its log says, one line
+`summary.json`; log.txt and metrics.csv come from swarm/run/logs.py and swarm/run/metrics.py. Its log says, one line
 each, that it joined (or started) the run and on which TCP port it listens, each group formed, each round
 committed with its hash, each state taken and from whom, and that it left; a warning if nobody outside its
-network can dial it (swarm/net/addresses.py). While it trains it shows its progress (swarm/progress.py).
-Without `data.shard` it leases a data shard through the DHT (swarm/net/leases.py, swarm/data_leases.py): disjoint
+network can dial it (swarm/net/addresses.py). While it trains it shows its progress (swarm/run/progress.py).
+Without `data.shard` it leases a data shard through the DHT (swarm/net/leases.py, swarm/data/leases.py): disjoint
 from the live peers' while there are free shards, its own again after a restart under the same name.
 SIGTERM and SIGINT end it cleanly (exit 143 and 130): the DHT and averager shut down, the last committed
 round's checkpoint is finished on disk, and `peer.json` and `summary.json` say where it stopped.
 
 With `--nproc-per-node K` (peers/launch.py, or under torchrun) each of the peer's K ranks runs `run_peer`; rank 0
-is the endpoint above, the others train alongside it (swarm/ranks.py) and each writes `ranks/rank-<k>.json` with
-the round and state hash (swarm/statehash.py) it ended on."""
+is the endpoint above, the others train alongside it (swarm/train/ranks.py) and each writes `ranks/rank-<k>.json` with
+the round and state hash (swarm/state/statehash.py) it ended on."""
 
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ import torch
 
 from swarm.config import Config, FaultsConfig
 from swarm.errors import stop_on
-from swarm.ranks import Ranks
-from swarm.report import peak_rss_bytes, peer_summary, write_json, write_summary
-from swarm.trainer import Trainer
+from swarm.run.report import peak_rss_bytes, peer_summary, write_json, write_summary
+from swarm.train.ranks import Ranks
+from swarm.train.trainer import Trainer
 
 log = logging.getLogger("swarm.peer")
 
@@ -93,7 +93,7 @@ def write_rank(out_dir: Path, ranks: Ranks, trainer: Trainer) -> None:
 
 def _run_endpoint(cfg: Config, out_dir: Path, name: Optional[str], ranks: Ranks) -> Path:
     from peers.folder import peer_name
-    from swarm.model import count_parameters
+    from swarm.data.tokens import corpus_folder
     from swarm.net.addresses import tcp_port, unreachable_warning
     from swarm.net.dht import start_dht, visible_maddrs
     from swarm.net.identity import load_identity, with_work
@@ -101,9 +101,9 @@ def _run_endpoint(cfg: Config, out_dir: Path, name: Optional[str], ranks: Ranks)
     from swarm.net.limits import raise_open_files
     from swarm.net.manifest import publish as publish_manifest
     from swarm.net.peer import SwarmAverager
-    from swarm.progress import Progress
-    from swarm.runid import run_identity
-    from swarm.tokens import corpus_folder
+    from swarm.run.progress import Progress
+    from swarm.run.runid import run_identity
+    from swarm.train.model import count_parameters
 
     start = time.time()
     raise_open_files()  # every incoming stream is a file descriptor (swarm/net/limits.py)

@@ -1,4 +1,4 @@
-"""`swarm data prepare`: tokenize a config's corpus once into token files (swarm/tokens.py), with a progress line;
+"""`swarm data prepare`: tokenize a config's corpus once into token files (swarm/data/tokens.py), with a progress line;
 on a corpus already prepared, check its token files against their hash."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Optional
 
 from swarm.config import DataConfig
-from swarm.data import build_tokenizer, check_vocabulary, load_corpus
+from swarm.data.batches import build_tokenizer, check_vocabulary, load_corpus
+from swarm.data.tokens import corpus_folder
 from swarm.errors import UsageError
-from swarm.tokens import corpus_folder
 
 log = logging.getLogger("swarm.data")
 
@@ -22,7 +22,7 @@ def run_prepare(cfg: DataConfig, model_vocab: Optional[int] = None) -> int:
     check_vocabulary(build_tokenizer(cfg), model_vocab, cfg)
     folder, start = corpus_folder(cfg), time.perf_counter()
     done = (folder / "meta.json").exists()
-    corpus = load_corpus(cfg, cache=False, verify=done)  # with its progress bar (swarm/progress.py PrepareProgress)
+    corpus = load_corpus(cfg, cache=False, verify=done)  # with its progress bar (swarm/run/progress.py PrepareProgress)
     meta = corpus.prepared.meta
     what = "verified" if done else f"prepared in {time.perf_counter() - start:.1f}s"
     print(f"{what}: {folder}\n{meta['documents']} documents, {meta['train_tokens']} train and {meta['eval_tokens']} "
@@ -32,7 +32,7 @@ def run_prepare(cfg: DataConfig, model_vocab: Optional[int] = None) -> int:
 
 CORPUS_KEYS = ("source", "dataset", "dataset_config", "split", "text_field", "tokenizer", "max_documents",
                "eval_fraction", "seed")
-"""The `data.*` keys that decide a corpus's tokens (swarm/tokens.py corpus_key), those a prepare command needs."""
+"""The `data.*` keys that decide a corpus's tokens (swarm/data/tokens.py corpus_key), those a prepare command needs."""
 
 
 def prepare_command(cfg: DataConfig) -> str:
@@ -48,7 +48,7 @@ def check_prepared(cfg: DataConfig) -> None:
     """UsageError (exit 2) with the command that prepares it, if `cfg` names a hub dataset that is not prepared on
     this machine: a peer never downloads a corpus itself (a recipe naming C4 would otherwise start a download of
     hundreds of GB, or before this rule train on the embedded toy corpus); a local dataset it prepares first."""
-    from swarm.data import is_local
+    from swarm.data.batches import is_local
 
     if cfg.source != "hf" or is_local(str(cfg.dataset)) or (corpus_folder(cfg) / "meta.json").exists():
         return
@@ -63,7 +63,7 @@ def check_corpus_here(cfg: DataConfig, run_id: str, corpus_sha256: str, dry_run:
     path this machine lacks). False: it is prepared, or it will be prepared here first (a line says so). UsageError
     (exit 2) naming what to do if the tokenizer's files are not here (they are not fetched), or with `dry_run`
     (which fetches nothing) if the corpus would be fetched."""
-    from swarm.data import is_local
+    from swarm.data.batches import is_local
 
     if (corpus_folder(cfg) / "meta.json").exists():
         return False

@@ -9,18 +9,18 @@ The words, used with one meaning each in code, logs and docs:
   has one, so outer steps = rounds; with F fragments a round has F. A peer's place in the swarm is its count of
   outer steps: the network layer (swarm/net) keys progress records, commit records, groups and state offers by it.
 - **exchange**: averaging one fragment's pseudo-gradient (global minus local parameters) with a group of peers
-  (swarm/overlap.py `Exchange`). Blocking, it runs between two inner steps; delayed, beside them.
+  (swarm/train/overlap.py `Exchange`). Blocking, it runs between two inner steps; delayed, beside them.
 - **fragment**: a contiguous run of the parameter tensors exchanged on its own schedule (Streaming DiLoCo,
-  swarm/fragments.py); one fragment (the default) is all of them.
+  swarm/train/fragments.py); one fragment (the default) is all of them.
 - **delay**: `diloco.delay`, the inner steps by which an exchange lands after it started (0: blocking).
 - **commit**: an exchange whose group agreed on the same averaged bytes lands: the outer step is applied, the new
   global hash recorded, the state served. Otherwise it is **discarded**: the local model keeps its progress and
   the fragment's next exchange covers both. `Trainer._settle` is the one place that decides.
 - **state**: what a peer serves and a newcomer (or a peer found behind) takes: global parameters, outer momentum
-  and the position (rounds closed, outer steps, inner step of the round) (swarm/state.py). Its inner optimizer
+  and the position (rounds closed, outer steps, inner step of the round) (swarm/state/peerstate.py). Its inner optimizer
   state stays its own (in its checkpoints, never served).
 - **state hash** (the "global hash"): sha256 of the global parameters, then the outer momentum, bound to the count
-  of rounds closed (swarm/statehash.py): what a peer records for each outer step it commits, what commit records
+  of rounds closed (swarm/state/statehash.py): what a peer records for each outer step it commits, what commit records
   vouch for, and what a taker checks a downloaded state against. It covers everything a taken state sets that is
   the same on every peer of one lineage; what differs between honest peers is not taken from a donor.
 """

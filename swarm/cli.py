@@ -1,5 +1,5 @@
 """The `swarm` command: `peer`, `join`, `runs`, `sim`, `local`, `bootstrap`, `monitor`, `export`, `data prepare`,
-`config show`. Its options, help texts and rules: swarm/cliargs.py.
+`config show`. Its options, help texts and rules: swarm/run/cliargs.py.
 
 Config overrides follow the named flags as dotted keys: `--inner.lr 3e-4` or `inner.lr=3e-4`.
 Every failure ends with one line on stderr (`swarm: error: ...`, also the last line of the run folder's
@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from swarm import cliargs, logs
 from swarm.config import Config, ConfigError
-from swarm.configfile import load_config
 from swarm.errors import SwarmError, UsageError, exit_code
+from swarm.run import cliargs, logs
+from swarm.run.configfile import load_config
 
 
 def _out_dir(out: Optional[str], cfg: Config, mode: str) -> Path:
@@ -66,7 +66,7 @@ def _monitor(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
 
 def _export(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
     """`swarm export SOURCE` (a peer's checkpoint) or `swarm export --from-swarm RUN` (the swarm's state)."""
-    from swarm.export import export_hf, usage_snippet
+    from swarm.state.export import export_hf, usage_snippet
 
     if (args.source is None) == (args.from_swarm is None):
         raise UsageError("swarm export takes a SOURCE (a peer's folder) or --from-swarm RUN, one of them")
@@ -116,7 +116,7 @@ def _join(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
 
         return dry_run(cfg, _planned(args, cfg, "peer"), networked=True, run=run, nproc=args.nproc_per_node)
     if args.nproc_per_node != 1:
-        from swarm.ranks import check
+        from swarm.train.ranks import check
 
         check(cfg, args.nproc_per_node)
     with _folder(args, cfg, "peer") as folder:
@@ -142,7 +142,7 @@ def _folder(args: argparse.Namespace, cfg: Config, kind: str):
     """The peer (or swarm) folder this command trains in, claimed for this process; its log.txt begins, and the
     first log line says whether the peer resumes or starts fresh (peers/folder.py)."""
     from peers.folder import claim, start
-    from swarm.ranks import Ranks
+    from swarm.train.ranks import Ranks
 
     distributed = Ranks.from_env().distributed  # a rank of a peer of several processes: its launcher holds it
     folder = claim(args.out, cfg.swarm.run_id, getattr(args, "name", None), kind, lock=not distributed)
@@ -179,8 +179,8 @@ def _rank_argv(argv: list[str], folder) -> list[str]:
 
 
 def _check_pretrained(cfg: Config) -> None:
-    """A warm start's folder (`model.pretrained`) checked before anything starts (swarm/pretrained.py)."""
-    from swarm.pretrained import check
+    """A warm start's folder (`model.pretrained`) checked before anything starts (swarm/state/pretrained.py)."""
+    from swarm.state.pretrained import check
 
     check(cfg)
 
@@ -209,7 +209,7 @@ def _train(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
         from peers.prepare import check_prepared
 
         check_prepared(cfg.data)
-    from swarm.ranks import Ranks, check
+    from swarm.train.ranks import Ranks, check
 
     kind = "local" if args.command == "local" else "peer" if networked else "solo"
     if args.command == "local":
@@ -262,8 +262,8 @@ def _train(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
 
 def _wrote(summary: Path, peer: Optional[Path]) -> int:
     """The last lines a user sees: what was written, and how to get the model out of `peer`'s folder."""
-    from swarm.checkpoint import Checkpointer
-    from swarm.ranks import Ranks
+    from swarm.state.checkpoint import Checkpointer
+    from swarm.train.ranks import Ranks
 
     if Ranks.from_env().endpoint:
         print(f"wrote {summary} and {summary.parent / 'loss.png'}")
@@ -307,7 +307,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     except BrokenPipeError:  # `swarm config show | head`: the reader is gone, nothing left to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 0
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a rank of a peer of several processes (swarm/ranks.py)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a rank of a peer of several processes (swarm/train/ranks.py)
         from peers.launch import exit_rank
 
         exit_rank(code)

@@ -1,5 +1,5 @@
 """Typed configuration: one dataclass per concern, composed under `Config`. Loaded (a YAML file, dotted
-command-line overrides, every key and type checked, cross-field rules) by swarm/configfile.py.
+command-line overrides, every key and type checked, cross-field rules) by swarm/run/configfile.py.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ class ModelConfig:
     """The causal LM: built from these shapes (seeded random init) or loaded from `pretrained`."""
 
     pretrained: Optional[str] = None
-    """A local Hugging Face model folder to start from (warm start, swarm/pretrained.py), e.g. one `swarm export`
+    """A local Hugging Face model folder to start from (warm start, swarm/state/pretrained.py), e.g. one `swarm export`
     wrote; the shapes below are then ignored. Each peer's own path to its copy: the run holds the weights' hash
-    (swarm/runid.py), not their path."""
+    (swarm/run/runid.py), not their path."""
     hidden_size: int = 64  # width of the residual stream (Llama hidden_size)
     num_layers: int = 2  # transformer blocks
     num_heads: int = 4  # attention heads
@@ -51,7 +51,7 @@ class DataConfig:
     max_documents: Optional[int] = None  # cap on documents read (embedded corpus / hf), None: all
     seed: int = 0  # seed of the eval split, the shards and the batch order (with the peer's name)
     cache_dir: Optional[str] = None
-    """Where prepared corpora (token files, swarm/tokens.py) live; None: $XDG_CACHE_HOME/swarm/tokens, by default
+    """Where prepared corpora (token files, swarm/data/tokens.py) live; None: $XDG_CACHE_HOME/swarm/tokens, by default
     ~/.cache/swarm/tokens. `swarm data prepare` writes where a peer with the same data settings looks."""
     prepare_workers: Optional[int] = None
     """Processes that tokenize when a corpus is prepared (`swarm data prepare`, or a peer preparing its own);
@@ -84,7 +84,7 @@ class InnerConfig:
     activation_checkpointing: bool = False
     """Recompute each layer's activations in the backward pass: less memory for ~30% more compute."""
     parallel: Literal["ddp", "fsdp"] = "ddp"
-    """How the ranks of a peer of several processes (`--nproc-per-node K`) share its work (swarm/sharding.py).
+    """How the ranks of a peer of several processes (`--nproc-per-node K`) share its work (swarm/train/sharding.py).
     ddp: every rank holds the whole model, its AdamW moments, the global parameters and the outer momentum.
     fsdp: FSDP2 `fully_shard` per transformer block and at the root; each rank holds 1/K of all of them, and
     of the outer step. The same step either way (up to float rounding), so peers of either kind, and of any K,
@@ -112,15 +112,15 @@ class DilocoConfig:
     global_device: str = "cpu"  # where the fp32 global parameters and outer momentum live
     threads: int = 0  # torch intra-op threads for this peer; 0 leaves torch's default
     delay: Union[int, Literal["auto"]] = 0
-    """Inner steps by which a round's outer step trails its end (swarm/overlap.py): 0 stops computing while the
+    """Inner steps by which a round's outer step trails its end (swarm/train/overlap.py): 0 stops computing while the
     peers average; tau >= 1 averages round r behind the first tau inner steps of round r+1 and applies the
     result after them, waiting there if it has not arrived. Pick tau so that tau inner steps outlast a round's
     matchmaking and all-reduce. auto (the shipped configs): a tenth of the inner steps between two exchanges,
     (inner_steps // fragments) // 10, so that changing H never makes a config invalid. A config that says
     nothing blocks."""
     fragments: int = 1
-    """Streaming DiLoCo (swarm/fragments.py): F contiguous fragments of the parameter tensors, fragment f exchanged
-    after inner step (f + 1) * inner_steps // F of each round: F exchanges of ~1/F of the bytes per round."""
+    """Streaming DiLoCo (swarm/train/fragments.py): F contiguous fragments of the parameter tensors, fragment f
+    exchanged after inner step (f + 1) * inner_steps // F of each round: F exchanges of ~1/F of the bytes per round."""
     mix_alpha: float = 0.0
     """Where an exchange lands, local <- alpha * local + (1 - alpha) * (new global + the inner steps taken since
     it started): 0 takes the group's outer step fully (plain DiLoCo), 1 keeps the peer's own stand-in."""
@@ -306,7 +306,7 @@ bounds only this peer's own start-up on its own link."""
 CORPUS_LOCATION_KEYS = frozenset({"data.dataset", "data.dataset_config", "data.split", "data.text_field",
                                   "data.streaming", "data.tokenizer"})
 """Keys that say where this peer's copy of the run's corpus lies and how to read it, not what it holds: the run
-pins the content instead (the prepared corpus's hash, swarm/runid.py), so they are left out of the run's
+pins the content instead (the prepared corpus's hash, swarm/run/runid.py), so they are left out of the run's
 fingerprint, and a copy anywhere joins (`--data.dataset /my/copy`) while a copy that tokenizes to other tokens is
 refused with both hashes. The run's manifest keeps its starter's values, as where to find the corpus: `swarm join`
 starts from them and takes this peer's own."""
@@ -330,7 +330,7 @@ def joinable_keys() -> list[str]:
 
 def shared_config(cfg: Config) -> dict[str, dict]:
     """The run's config: `Config.to_dict()` without PER_PEER_KEYS. What a run's manifest holds and its
-    fingerprint hashes (swarm/runid.py): every peer of a run holds the same."""
+    fingerprint hashes (swarm/run/runid.py): every peer of a run holds the same."""
     out = {}
     for section, values in cfg.to_dict().items():
         if section not in PER_PEER_KEYS:

@@ -33,7 +33,7 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 
 class Buffers:
     """fp32 vectors by tensor index, written and read by flat element span: where an average lands. In memory (the
-    tensors given), or a sharded peer's node-local file (swarm/sharding.py `NodeVector`), so that a writer that
+    tensors given), or a sharded peer's node-local file (swarm/train/sharding.py `NodeVector`), so that a writer that
     goes chunk by chunk (the all-reduce) never needs the whole vector in one process."""
 
     PIECE = 1 << 22  # elements copied at a time by `fill`

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from peers.forkserver import ForkServer
-from swarm.averaging import RoundOutcome, SoloAverager
 from swarm.config import Config
-from swarm.configfile import load_config
+from swarm.run.configfile import load_config
+from swarm.train.averaging import RoundOutcome, SoloAverager
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -187,7 +187,7 @@ def no_lost_exceptions(frozen_imports):
 
 @pytest.fixture(scope="session", autouse=True)
 def token_cache(tmp_path_factory):
-    """Prepared corpora (swarm/tokens.py) go to one folder of this session, shared by the peers it starts, never
+    """Prepared corpora (swarm/data/tokens.py) go to one folder of this session, shared by the peers it starts, never
     to the user's ~/.cache."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")  # under xdist: one cache for the session's workers
     folder = (tmp_path_factory.getbasetemp().parent / "token-cache" if worker else
@@ -243,9 +243,9 @@ class Interrupt(Exception):
 def resumed_after(cfg: Config, out_dir: Path, stop_round: int):
     """A solo Trainer stopped (by an exception, as a crash would) once round `stop_round` committed, then a
     fresh Trainer on the same folder trained to the end: returned, to compare with an uninterrupted run of peer
-    "a" (the same identity: it seeds the batch order, swarm/data.py)."""
-    from swarm.averaging import SoloAverager
-    from swarm.trainer import Trainer
+    "a" (the same identity: it seeds the batch order, swarm/data/batches.py)."""
+    from swarm.train.averaging import SoloAverager
+    from swarm.train.trainer import Trainer
 
     def stop(record) -> None:
         if record.round == stop_round:

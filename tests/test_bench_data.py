@@ -1,8 +1,8 @@
 """bench/data.py's generated corpus: the size asked for, one document per line, prepared as the bench reads it."""
 
 from bench import data as bench_data
-from swarm.configfile import load_config
-from swarm.data import load_corpus
+from swarm.data.batches import load_corpus
+from swarm.run.configfile import load_config
 
 
 def test_a_generated_corpus_has_the_size_asked_for_and_prepares(tmp_path):

@@ -6,12 +6,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from swarm.averaging import SoloAverager
-from swarm.checkpoint import Checkpointer, CorruptCheckpoint
-from swarm.checkpoint_format import tensor_entry, write_index
-from swarm.runid import run_identity
-from swarm.tensorfile import write
-from swarm.trainer import Trainer
+from swarm.run.runid import run_identity
+from swarm.state.checkpoint import Checkpointer, CorruptCheckpoint
+from swarm.state.checkpoint_format import tensor_entry, write_index
+from swarm.state.tensorfile import write
+from swarm.train.averaging import SoloAverager
+from swarm.train.trainer import Trainer
 from tests.conftest import tiny_config
 
 
@@ -39,7 +39,7 @@ def test_a_checkpoint_is_safetensors_by_state_dict_name_with_the_run_in_its_meta
     assert (meta["round"], meta["step"], meta["outer_steps"]) == (3, 6, 3)
     assert meta["fingerprint"] == run_identity(trainer.cfg).fingerprint and meta["config"] == trainer.cfg.to_dict()
     assert meta["data"] == {"shard": 0, "identity": "a", "epoch": 0, "offset": 24, "samples": 24, "positions": {},
-                            "since": None}  # swarm/peerdata.py
+                            "since": None}  # swarm/data/peerdata.py
     assert meta["hf_config"]["model_type"] == "llama"
 
 

@@ -1,4 +1,4 @@
-"""The command line's rules (swarm/cliargs.py): help and real defaults on every option, one spelling per option,
+"""The command line's rules (swarm/run/cliargs.py): help and real defaults on every option, one spelling per option,
 no abbreviations, list options that stop at an override, log levels, `--version`, `config show`, `--dry-run`.
 
 Everything here runs in this process and starts no DHT or peer: `run` calls `swarm.cli.main` like the `cli`
@@ -10,11 +10,11 @@ import re
 import pytest
 
 from peers.folder import claim
-from swarm import cliargs
 from swarm.cli import main
 from swarm.config import Config, joinable_keys
-from swarm.configfile import load_config
 from swarm.errors import UsageError
+from swarm.run import cliargs
+from swarm.run.configfile import load_config
 from tests.conftest import ROOT, CliResult
 
 pytestmark = pytest.mark.timeout(120)
@@ -175,7 +175,7 @@ def test_join_refuses_a_run_key_listing_the_keys_it_takes(run):
 
 
 def test_config_show_marks_per_peer_keys_and_gives_the_fingerprint(run, tmp_path):
-    from swarm.runid import run_identity
+    from swarm.run.runid import run_identity
 
     result = run("config", "show", "--config", "configs/tiny.yaml", *SMALL, "--diloco.inner_steps", "5")
     assert result.returncode == 0, result.stderr
@@ -205,7 +205,7 @@ def test_dry_run_checks_everything_and_trains_nothing(run, tmp_path):
 
 
 def test_dry_run_prints_the_memory_plan_per_rank_even_where_it_cannot_run(run, tmp_path):
-    """The 30B recipe on 8 ranks, asked on this CPU machine: the plan per rank first (swarm/accounting.py, the
+    """The 30B recipe on 8 ranks, asked on this CPU machine: the plan per rank first (swarm/train/accounting.py, the
     numbers of configs/llama-30b.yaml's comments), then exit 2 naming why it cannot run here."""
     result = run("peer", "--config", "configs/llama-30b.yaml", "--nproc-per-node", "8", "--dry-run",
                  "--out", str(tmp_path / "out"))

@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 
 from swarm.config import ConfigError, shared_config
-from swarm.configfile import load_config, parse_overrides
-from swarm.runid import RunIdentity
+from swarm.run.configfile import load_config, parse_overrides
+from swarm.run.runid import RunIdentity
 from tests.conftest import ROOT, run_cli
 
 pytestmark = pytest.mark.timeout(60)

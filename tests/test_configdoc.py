@@ -3,7 +3,7 @@
 import dataclasses
 
 from swarm import config
-from swarm.configdoc import keys, reference
+from swarm.run.configdoc import keys, reference
 from tests.conftest import ROOT
 
 
@@ -16,5 +16,5 @@ def test_every_key_of_every_section_is_documented_with_a_meaning():
 
 
 def test_docs_config_md_is_current():
-    """Regenerate it with `python -m swarm.configdoc > docs/config.md` after changing swarm/config.py."""
+    """Regenerate it with `python -m swarm.run.configdoc > docs/config.md` after changing swarm/config.py."""
     assert (ROOT / "docs" / "config.md").read_text() == reference()

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from bench.data import train_bpe
-from swarm import data, embedded
-from swarm.configfile import load_config
+from swarm.data import batches as data
+from swarm.data import embedded
 from swarm.errors import SwarmError, UsageError
+from swarm.run.configfile import load_config
 
 
 def data_cfg(**values):
@@ -193,7 +194,7 @@ def test_a_prepared_corpus_is_tokenized_once_and_memory_mapped(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_the_size_of_the_input_is_known_where_it_can_be(tmp_path):
-    """What a prepare's time left is measured against (swarm/progress.py PrepareProgress)."""
+    """What a prepare's time left is measured against (swarm/run/progress.py PrepareProgress)."""
     write_lines(tmp_path / "txt", n=50)
     size = (tmp_path / "txt" / "part.txt").stat().st_size
     assert data.input_bytes(data_cfg(source="hf", dataset=str(tmp_path / "txt"))) == size
@@ -214,7 +215,7 @@ def test_the_size_of_the_input_is_known_where_it_can_be(tmp_path):
 def test_the_token_files_are_the_same_whatever_the_number_of_workers(tmp_path):
     """Several processes tokenize batches of documents and the parent writes them in the documents' order: the
     token files (and so the corpus's hash) are those one process writes, document by document."""
-    lines = write_lines(tmp_path / "txt", n=1300)  # three batches of documents (swarm/tokens.py BATCH_DOCUMENTS)
+    lines = write_lines(tmp_path / "txt", n=1300)  # three batches of documents (swarm/data/tokens.py BATCH_DOCUMENTS)
     tok_path = build_local_tokenizer(tmp_path / "tok", lines)
     for tokenizer in ["bytes", tok_path]:
         hashes = set()

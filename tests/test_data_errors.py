@@ -6,8 +6,8 @@ import os
 import pytest
 
 from peers.prepare import check_corpus_here, prepare_command
-from swarm.configfile import load_config
 from swarm.errors import UsageError
+from swarm.run.configfile import load_config
 from tests.conftest import ROOT
 from tests.test_cli_errors import one_line_error
 
@@ -111,8 +111,8 @@ def test_a_recipe_naming_a_real_corpus_it_cannot_find_exits_2_with_the_command_t
     """The recipes name C4 and LLaMA's tokenizer: a peer on a machine where that corpus is not prepared used to
     start downloading it (or, before, trained on the embedded toy corpus, which the recipes named); it now exits 2
     with the `swarm data prepare` command, which prepares exactly the corpus the peer looks for."""
-    from swarm import cliargs
-    from swarm.tokens import corpus_key
+    from swarm.data.tokens import corpus_key
+    from swarm.run import cliargs
 
     result = cli("peer", "--config", f"configs/{recipe}.yaml", "--solo")
     assert result.returncode == 2

@@ -1,9 +1,9 @@
-"""The lease policy (swarm/data_leases.py) over tables: who keeps a shard, where a newcomer goes, what happens with more
+"""The lease policy (swarm/data/leases.py) over tables: who keeps a shard, where a newcomer goes, what happens with more
 peers than shards."""
 
 import pytest
 
-from swarm.data_leases import Claim, choose_shard, precedes, sharing
+from swarm.data.leases import Claim, choose_shard, precedes, sharing
 
 A, B, C = "peer-a", "peer-b", "peer-c"
 

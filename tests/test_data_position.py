@@ -1,4 +1,4 @@
-"""A peer's data position (swarm/peerdata.py): its own batch order, recorded by its checkpoint and continued exactly
+"""A peer's data position (swarm/data/peerdata.py): its own batch order, recorded by its checkpoint and continued exactly
 on resume, across shards it held; an older checkpoint's (shard, epoch, step) is read too."""
 
 import json
@@ -6,13 +6,13 @@ import json
 import pytest
 import torch
 
-from swarm.averaging import SoloAverager
-from swarm.checkpoint import Checkpointer
-from swarm.data import TrainBatches, load_corpus
-from swarm.peerdata import PeerData
-from swarm.ranks import SINGLE
-from swarm.report import data_overlap, write_summary
-from swarm.trainer import Trainer
+from swarm.data.batches import TrainBatches, load_corpus
+from swarm.data.peerdata import PeerData
+from swarm.run.report import data_overlap, write_summary
+from swarm.state.checkpoint import Checkpointer
+from swarm.train.averaging import SoloAverager
+from swarm.train.ranks import SINGLE
+from swarm.train.trainer import Trainer
 from tests.conftest import Interrupt, tiny_config
 
 

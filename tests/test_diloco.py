@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from swarm.averaging import weighted_mean
 from swarm.config import OuterConfig
-from swarm.diloco import DiLoCo
+from swarm.train.averaging import weighted_mean
+from swarm.train.diloco import DiLoCo
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -76,7 +76,7 @@ def test_outer_step_leaves_the_averaged_buffers_intact_and_bumps_the_version():
 
 
 def test_shared_state_round_trips_by_name_and_refuses_another_shape():
-    from swarm.state import TensorSpec, destinations, shared_tensors
+    from swarm.state.peerstate import TensorSpec, destinations, shared_tensors
 
     donor, opt = DiLoCo(_model([1.0, 2.0]), OuterConfig()), None
     opt = torch.optim.AdamW(donor.model.parameters())
@@ -98,14 +98,14 @@ def test_shared_state_round_trips_by_name_and_refuses_another_shape():
 
 
 def test_the_state_hash_covers_the_momentum_and_the_rounds_and_is_taken_once_per_change(monkeypatch):
-    """The hash a peer commits is of everything a downloaded state sets alike on every peer (swarm/statehash.py):
+    """The hash a peer commits is of everything a downloaded state sets alike on every peer (swarm/state/statehash.py):
     a donor that changed only a momentum buffer, or only the count of rounds closed, serves another hash. The
     tensors are read once per change, however often the hash is asked for."""
-    import swarm.diloco
+    import swarm.train.diloco
 
     digests = []
-    real = swarm.diloco.tensors_digest
-    monkeypatch.setattr(swarm.diloco, "tensors_digest", lambda tensors: digests.append(1) or real(tensors))
+    real = swarm.train.diloco.tensors_digest
+    monkeypatch.setattr(swarm.train.diloco, "tensors_digest", lambda tensors: digests.append(1) or real(tensors))
     diloco = DiLoCo(_model([1.0, 2.0]), OuterConfig())
     before_momentum = diloco.global_sha256()
     for _ in range(2):

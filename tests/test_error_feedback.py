@@ -4,12 +4,12 @@ trainer adds the residual to its next pseudo-gradient and keeps it in its checkp
 import pytest
 import torch
 
-from swarm.averaging import Averager, RoundOutcome
-from swarm.diloco import PseudoGradient
 from swarm.net.allreduce.layout import part_bounds
 from swarm.net.codec import get_codec
-from swarm.state import StateNames, shared_tensors
-from swarm.trainer import Trainer
+from swarm.state.peerstate import StateNames, shared_tensors
+from swarm.train.averaging import Averager, RoundOutcome
+from swarm.train.diloco import PseudoGradient
+from swarm.train.trainer import Trainer
 from tests.conftest import tiny_config
 
 

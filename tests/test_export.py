@@ -11,15 +11,15 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from swarm.averaging import SoloAverager
-from swarm.checkpoint import Checkpointer
 from swarm.cli import main
-from swarm.configfile import config_from_dict
-from swarm.data import ByteTokenizer
+from swarm.data.batches import ByteTokenizer
 from swarm.errors import UsageError
-from swarm.export import export_hf, find_checkpoint, global_parameters, hf_parameters, model_of, write_hf
-from swarm.tensorfile import read_header
-from swarm.trainer import Trainer
+from swarm.run.configfile import config_from_dict
+from swarm.state.checkpoint import Checkpointer
+from swarm.state.export import export_hf, find_checkpoint, global_parameters, hf_parameters, model_of, write_hf
+from swarm.state.tensorfile import read_header
+from swarm.train.averaging import SoloAverager
+from swarm.train.trainer import Trainer
 from tests.conftest import tiny_config
 
 
@@ -134,7 +134,7 @@ def test_cli_export_prints_where_and_how_to_load_it(trained, tmp_path, capsys):
 
 @pytest.mark.slow  # runs the snippet in a process of its own
 def test_the_printed_snippet_runs(trained, tmp_path):
-    from swarm.export import usage_snippet
+    from swarm.state.export import usage_snippet
 
     out, _ = trained
     export_hf(out, tmp_path / "hf")

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from swarm.checkpoint import Checkpointer
-from swarm.configfile import load_config
 from swarm.net.budget import round_deadline
+from swarm.run.configfile import load_config
+from swarm.state.checkpoint import Checkpointer
 from tests.conftest import ROOT
 from tests.swarm_harness import SMALL, local_swarm
 

@@ -5,14 +5,14 @@ import pytest
 import torch
 
 from peers.local_trainers import simulate
-from swarm.averaging import Download, RoundOutcome, SoloAverager
 from swarm.config import ConfigError
-from swarm.data import TrainBatches, load_corpus
-from swarm.fragments import partition, sync_steps
-from swarm.inner import lr_lambda
-from swarm.model import build_model
-from swarm.state import TensorSpec
-from swarm.trainer import Trainer
+from swarm.data.batches import TrainBatches, load_corpus
+from swarm.state.peerstate import TensorSpec
+from swarm.train.averaging import Download, RoundOutcome, SoloAverager
+from swarm.train.fragments import partition, sync_steps
+from swarm.train.inner import lr_lambda
+from swarm.train.model import build_model
+from swarm.train.trainer import Trainer
 from tests.conftest import DiscardsOnce, resumed_after, tiny_config
 
 # The tiny test model's 11 parameter tensors: embeddings (tied head) 8192 elements, q/k/v/o 1024 each, gate/up/down

@@ -6,11 +6,11 @@ import sys
 import pytest
 import torch
 
-from swarm.averaging import SoloAverager
 from swarm.config import ConfigError
-from swarm.configfile import load_config
-from swarm.inner import autocast, evaluate
-from swarm.trainer import Trainer
+from swarm.run.configfile import load_config
+from swarm.train.averaging import SoloAverager
+from swarm.train.inner import autocast, evaluate
+from swarm.train.trainer import Trainer
 from tests.conftest import ROOT, resumed_after, tiny_config
 
 

@@ -20,14 +20,14 @@ from pydantic.v1 import ValidationError
 from peers.children import spawn_child
 from peers.join import _count, check_overrides, describe_run, format_runs, write_config
 from swarm.config import PER_PEER_KEYS, Config, is_per_peer
-from swarm.configfile import config_from_dict, load_config
 from swarm.errors import UsageError
-from swarm.model import build_model, count_parameters
 from swarm.net import schema
 from swarm.net.identity import load_identity
 from swarm.net.manifest import ManifestRefused, check_manifest, choose_manifest, shared_config
 from swarm.net.schema import CommitRecord, IndexRecord, ManifestRecord, ProgressRecord, RunRecord
-from swarm.runid import RunIdentity, run_identity
+from swarm.run.configfile import config_from_dict, load_config
+from swarm.run.runid import RunIdentity, run_identity
+from swarm.train.model import build_model, count_parameters
 from tests.conftest import tiny_config
 from tests.swarm_harness import local_swarm
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from swarm.config import ConfigError
-from swarm.configfile import load_config
 from swarm.errors import UsageError
-from swarm.model import build_model
+from swarm.run.configfile import load_config
+from swarm.train.model import build_model
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.timeout(60)

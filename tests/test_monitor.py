@@ -17,7 +17,6 @@ import pytest
 from hivemind.utils.timed_storage import ValueWithExpiration
 from prometheus_client.parser import text_string_to_metric_families
 
-from swarm.averaging import PeerStats, RoundOutcome, SoloAverager
 from swarm.monitor import collect
 from swarm.monitor.collect import Reading, SwarmView, read_swarm
 from swarm.monitor.page import PAGE
@@ -26,7 +25,8 @@ from swarm.monitor.server import _handler
 from swarm.net import schema
 from swarm.net.identity import load_identity
 from swarm.net.schema import CommitRecord, ProgressRecord
-from swarm.trainer import Trainer
+from swarm.train.averaging import PeerStats, RoundOutcome, SoloAverager
+from swarm.train.trainer import Trainer
 
 WINDOW = 10.0
 T0 = 1000.0

@@ -1,8 +1,8 @@
-"""What a peer shows while it trains (swarm/progress.py)."""
+"""What a peer shows while it trains (swarm/run/progress.py)."""
 
 import logging
 
-from swarm.progress import PrepareProgress, Progress, clock
+from swarm.run.progress import PrepareProgress, Progress, clock
 from tests.conftest import tiny_config
 
 

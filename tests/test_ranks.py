@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm.configfile import load_config
 from swarm.errors import UsageError
-from swarm.ranks import Ranks, check
+from swarm.run.configfile import load_config
+from swarm.train.ranks import Ranks, check
 from tests.conftest import ROOT
 from tests.swarm_harness import SMALL
 

@@ -17,12 +17,12 @@ from transformers import AutoModelForCausalLM
 
 from peers.children import spawn_child
 from peers.folder import claim, peer_name
-from swarm.checkpoint import Checkpointer
 from swarm.cli import main
-from swarm.configfile import load_config
-from swarm.data import TrainBatches, load_corpus
+from swarm.data.batches import TrainBatches, load_corpus
 from swarm.errors import SwarmError
 from swarm.net.identity import load_identity
+from swarm.run.configfile import load_config
+from swarm.state.checkpoint import Checkpointer
 from tests.conftest import ROOT
 from tests.swarm_harness import SMALL, local_swarm
 

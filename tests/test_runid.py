@@ -1,4 +1,4 @@
-"""One run identity (swarm/runid.py): every key of the run config, the corpus and the initial weights are in the
+"""One run identity (swarm/run/runid.py): every key of the run config, the corpus and the initial weights are in the
 fingerprint, no per-peer key is, and a refusal names the first part that differs."""
 
 import copy
@@ -7,7 +7,7 @@ import pytest
 
 from swarm.config import CORPUS_LOCATION_KEYS, shared_config
 from swarm.errors import UsageError
-from swarm.runid import RunIdentity, run_identity, weights_sha256
+from swarm.run.runid import RunIdentity, run_identity, weights_sha256
 from tests.conftest import tiny_config
 
 

@@ -1,4 +1,4 @@
-"""Sharded peers (swarm/sharding.py, `inner.parallel: fsdp`): the row layout of shards, the models that cannot be
+"""Sharded peers (swarm/train/sharding.py, `inner.parallel: fsdp`): the row layout of shards, the models that cannot be
 sharded and the configs that are refused, and a peer of two FSDP ranks training as one process does."""
 
 import dataclasses
@@ -10,17 +10,18 @@ import torch
 from safetensors.torch import load_file
 
 from peers.local_swarm import parse_ranks
-from swarm import accounting, shard_state
-from swarm.averaging import SoloAverager
 from swarm.config import ConfigError, shared_config
-from swarm.configfile import load_config
-from swarm.diloco import DiLoCo
 from swarm.errors import UsageError
-from swarm.export import export_hf
-from swarm.model import build_model, count_parameters
-from swarm.sharding import Layout, find_blocks, shard_model
-from swarm.state import TensorSpec
-from swarm.trainer import Trainer
+from swarm.run.configfile import load_config
+from swarm.state import shard_state
+from swarm.state.export import export_hf
+from swarm.state.peerstate import TensorSpec
+from swarm.train import accounting
+from swarm.train.averaging import SoloAverager
+from swarm.train.diloco import DiLoCo
+from swarm.train.model import build_model, count_parameters
+from swarm.train.sharding import Layout, find_blocks, shard_model
+from swarm.train.trainer import Trainer
 from tests.conftest import ROOT, tiny_config
 from tests.swarm_harness import SMALL
 
@@ -82,7 +83,7 @@ def test_two_fsdp_ranks_train_like_one_process(tmp_path, swarm_cmd):
     steps on the shards, the local model moved under FSDP between inner steps and evals; the files' names are gone
     with the peer. Blocking rounds: the local swarm's test."""
     sections = {**SECTIONS, "diloco": {"rounds": 2, "inner_steps": 4, "delay": 1, "fragments": 2}}
-    # named as a --solo peer is: the batch order is seeded by the peer's name (swarm/data.py)
+    # named as a --solo peer is: the batch order is seeded by the peer's name (swarm/data/batches.py)
     one = Trainer(tiny_config(**sections), SoloAverager(), "solo", shard=0, out_dir=tmp_path / "one").train()
     out = tmp_path / "two"
     result = swarm_cmd("peer", "--config", "configs/tiny.yaml", "--solo", "--nproc-per-node", "2", "--out", str(out),
@@ -186,7 +187,7 @@ def test_a_killed_sharded_peer_resumes_exactly_and_its_checkpoint_reshards(tmp_p
 
 def test_the_30b_recipe_is_its_accounting_on_the_meta_device():
     """configs/llama-30b.yaml's architecture, built on the meta device (no memory), has the parameters and blocks
-    swarm/accounting.py counts, and the memory table of its comments: a sharded peer of 8 ranks fits 80 GB GPUs,
+    swarm/train/accounting.py counts, and the memory table of its comments: a sharded peer of 8 ranks fits 80 GB GPUs,
     an unsharded one does not; at 1 Gbit/s its delayed fragments hide the exchange."""
     cfg = load_config(ROOT / "configs" / "llama-30b.yaml")
     shapes = accounting.shapes_of(cfg, 256)
@@ -206,7 +207,7 @@ def test_the_30b_recipe_is_its_accounting_on_the_meta_device():
 
 
 def test_a_state_that_is_not_the_canonical_layout_is_refused_before_a_byte_is_written():
-    """What a sharded peer takes from a donor of any K: the whole tensors of swarm/state.py, checked by name, dtype
+    """What a sharded peer takes from a donor of any K: the whole tensors of swarm/state/peerstate.py, checked by name, dtype
     and whole shape (a donor's rows, or another model's tensors, are refused naming the first that differs)."""
     cfg = tiny_config()
     model = build_model(cfg.model, 256)

@@ -5,8 +5,8 @@ import time
 import pytest
 import torch
 
-from swarm.averaging import weighted_mean
-from swarm.configfile import load_config
+from swarm.run.configfile import load_config
+from swarm.train.averaging import weighted_mean
 from tests.conftest import ROOT
 from tests.swarm_harness import local_swarm
 

@@ -8,16 +8,16 @@ import pytest
 import torch
 
 from peers.local_trainers import simulate
-from swarm.averaging import Download, SoloAverager
-from swarm.checkpoint import CorruptCheckpoint
-from swarm.checkpoint_format import INDEX
-from swarm.data import TrainBatches, load_corpus
+from swarm.data.batches import TrainBatches, load_corpus
 from swarm.errors import SwarmError
-from swarm.inner import evaluate, lr_lambda
-from swarm.model import build_model
-from swarm.report import METRICS_COLUMNS
-from swarm.state import TensorSpec
-from swarm.trainer import NON_FINITE_TRIES, Trainer
+from swarm.run.report import METRICS_COLUMNS
+from swarm.state.checkpoint import CorruptCheckpoint
+from swarm.state.checkpoint_format import INDEX
+from swarm.state.peerstate import TensorSpec
+from swarm.train.averaging import Download, SoloAverager
+from swarm.train.inner import evaluate, lr_lambda
+from swarm.train.model import build_model
+from swarm.train.trainer import NON_FINITE_TRIES, Trainer
 from tests.conftest import DiscardsOnce, Interrupt, resumed_after, tiny_config
 
 
@@ -278,9 +278,9 @@ def test_a_model_that_goes_non_finite_after_every_state_taken_stops_naming_the_r
 
 @pytest.mark.timeout(120)
 def test_wandb_offline_keeps_every_round_and_a_resumed_peer_goes_on_in_the_same_run(tmp_path):
-    """The sinks alone (swarm/metrics.py), without training: two starts of one peer folder, a round each."""
-    from swarm.history import RoundRecord
-    from swarm.metrics import Metrics
+    """The sinks alone (swarm/run/metrics.py), without training: two starts of one peer folder, a round each."""
+    from swarm.run.metrics import Metrics
+    from swarm.train.history import RoundRecord
 
     cfg = tiny_config(logging={"wandb": "swarm-test", "wandb_mode": "offline"})
     ids = []
@@ -302,8 +302,8 @@ def test_wandb_offline_keeps_every_round_and_a_resumed_peer_goes_on_in_the_same_
 def test_a_taken_state_sets_only_what_its_hash_covers(tmp_path):
     """A donor serves its global parameters and outer momentum, never its AdamW moments; a taker refuses a state
     that carries them (no hash vouches for a donor's own moments), starts its inner optimizer afresh, and puts
-    itself on the schedule at the committed round whatever step the donor claims (swarm/statehash.py)."""
-    from swarm.state import shared_tensors
+    itself on the schedule at the committed round whatever step the donor claims (swarm/state/statehash.py)."""
+    from swarm.state.peerstate import shared_tensors
 
     cfg = tiny_config(diloco={"rounds": 2, "inner_steps": 4}, checkpoint={"every": 0})
     donor = Trainer(cfg, SoloAverager(), "donor", shard=0, out_dir=tmp_path / "donor")

@@ -6,16 +6,16 @@ import shutil
 import pytest
 
 from peers.join import check_overrides
-from swarm.averaging import SoloAverager
 from swarm.cli import main
 from swarm.config import shared_config
-from swarm.configfile import config_from_dict
 from swarm.errors import UsageError
-from swarm.export import export_hf
-from swarm.model import build_model
-from swarm.pretrained import pretrained_sha256
-from swarm.runid import run_identity
-from swarm.trainer import Trainer
+from swarm.run.configfile import config_from_dict
+from swarm.run.runid import run_identity
+from swarm.state.export import export_hf
+from swarm.state.pretrained import pretrained_sha256
+from swarm.train.averaging import SoloAverager
+from swarm.train.model import build_model
+from swarm.train.trainer import Trainer
 from tests.conftest import ROOT, tiny_config
 
 
@@ -100,7 +100,7 @@ def test_the_weights_hash_is_remembered_across_starts_while_the_files_keep_their
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
 
     def hashed() -> str:
-        code = f"from swarm.pretrained import pretrained_sha256; print(pretrained_sha256({str(copy)!r}))"
+        code = f"from swarm.state.pretrained import pretrained_sha256; print(pretrained_sha256({str(copy)!r}))"
         return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                               check=True, timeout=60).stdout.strip()
 
@@ -141,7 +141,7 @@ def test_a_run_warm_started_from_another_model_family_trains_and_exports_it(tmp_
     import torch
     from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-    from swarm.checkpoint import Checkpointer
+    from swarm.state.checkpoint import Checkpointer
 
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=128, n_embd=32, n_layer=2, n_head=2)).save_pretrained(

@@ -1,6 +1,6 @@
 """The swarm's network side: what `SwarmAverager` (peer.py) does for the trainer, and what each module is.
 
-`peer.py` is the only module the trainer's side uses (through the `Averager` interface, swarm/averaging.py);
+`peer.py` is the only module the trainer's side uses (through the `Averager` interface, swarm/train/averaging.py);
 everything below serves it. By concern:
 
 Transport

@@ -35,7 +35,7 @@ ATTACKS = {
                     "newcomer hashes what it downloads)",
     "poison-momentum": "serves its state with its outer momentum reversed and ten times larger (finite, same "
                        "shapes) under its real committed hash (the state's hash covers the momentum: "
-                       "swarm/statehash.py; the newcomer refuses it naming the donor and takes another's)",
+                       "swarm/state/statehash.py; the newcomer refuses it naming the donor and takes another's)",
     "flood": "opens all-reduce streams for groups it is not in, as many as it can (allreduce: per-peer cap "
              "on pending groups)",
     "trickle": "holds streams open on every handler of every peer, a byte of a maximal HELLO per half stall "

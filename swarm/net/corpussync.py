@@ -1,6 +1,6 @@
 """A peer without the run's corpus fetches its token files from the peers that train on it.
 
-Every networked peer serves its prepared corpus (swarm/tokens.py: `train.bin`, `eval.bin`) on one stream name,
+Every networked peer serves its prepared corpus (swarm/data/tokens.py: `train.bin`, `eval.bin`) on one stream name,
 to the peers `Access` admits (a private swarm's allowlist), to at most MAX_SERVED fetchers at once and at most
 `swarm.corpus_rate` bytes/s to each, so that serving data never takes a round's link. A fetcher (`swarm join` on
 a machine without the corpus, peers/join.py) reads a MANIFEST: the dtype, the two files' sizes and the sha256 of
@@ -10,7 +10,7 @@ it in place under `<folder>.fetch/`, where `have.json` notes the pieces written:
 where it stopped, with its memory bounded by one frame.
 
 The piece hashes are the donor's word. After the last piece the two files must hash to the run's corpus sha256
-(pinned by the run's fingerprint, swarm/runid.py), or all that donor's pieces are dropped and the next donor is
+(pinned by the run's fingerprint, swarm/run/runid.py), or all that donor's pieces are dropped and the next donor is
 asked (`CorpusForged`). Then `meta.json` is written and the folder renamed into place, where `load_corpus` finds
 it as if it had been prepared here.
 """
@@ -33,11 +33,11 @@ from typing import Callable, Optional
 import numpy as np
 from hivemind.p2p import P2P, PeerID
 
+from swarm.data.tokens import FORMAT, SPLITS, digest, write_stamp
 from swarm.errors import SwarmError
 from swarm.net.access import Access
 from swarm.net.budget import transfer_deadline
 from swarm.net.wire import Channel, Kind, ProtocolError, serve
-from swarm.tokens import FORMAT, SPLITS, digest, write_stamp
 
 logger = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from swarm.net import schema
 from swarm.net.identity import Identity, load_identity, with_work
 from swarm.net.manifest import ManifestRefused, choose_manifest, read_manifests
 from swarm.net.policy import run_fingerprint
-from swarm.runid import RunIdentity
+from swarm.run.runid import RunIdentity
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def start_dht(cfg: SwarmConfig, identity: Optional[Identity] = None, *, fingerpr
               run: Optional[RunIdentity] = None) -> hivemind.DHT:
     """Start a DHT peer for `cfg` as `identity` (default: `swarm.identity`); with `run` (or only its
     `fingerprint`), also sign (or check) the run's fingerprint: a refusal names the first key that differs."""
-    from swarm.logs import route_hivemind
+    from swarm.run.logs import route_hivemind
 
     route_hivemind()
     fingerprint = run.fingerprint if run is not None else fingerprint

@@ -1,5 +1,5 @@
 """A peer's lease on a data shard, through the DHT: `ShardLeases.acquire()` at start, `renew()` at every round's
-close. The policy (who takes which shard) is swarm/data_leases.py; the record is `schema.LeaseRecord` under
+close. The policy (who takes which shard) is swarm/data/leases.py; the record is `schema.LeaseRecord` under
 `{run_id}_leases`, signed by its owner like every record.
 
 `acquire` reads the leases and progress records, chooses (shards.choose_shard), stores its lease and reads
@@ -26,7 +26,7 @@ import hivemind
 from hivemind.utils.timed_storage import get_dht_time
 
 from swarm.config import Config, live_window
-from swarm.data_leases import Claim, choose_shard, precedes, sharing
+from swarm.data.leases import Claim, choose_shard, precedes, sharing
 from swarm.net import policy, schema
 from swarm.net.identity import Identity
 
@@ -135,7 +135,7 @@ class ShardLeases:
             return self.shard
 
     def _fallback(self, preferred: Optional[int], why: str) -> int:
-        from swarm.data import shard_index
+        from swarm.data.batches import shard_index
 
         self.shard = preferred if preferred is not None else shard_index(self.cfg.data, self.cfg.swarm.run_id,
                                                                          self.name)

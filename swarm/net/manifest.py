@@ -31,13 +31,13 @@ from hivemind.utils.timed_storage import get_dht_time
 from pydantic.v1 import BaseModel, ValidationError
 
 from swarm.config import Config, ConfigError, is_per_peer, shared_config
-from swarm.configfile import config_from_dict
 from swarm.errors import SwarmError
 from swarm.net import schema
 from swarm.net.identity import Identity
 from swarm.net.policy import run_fingerprint
 from swarm.net.schema import IndexRecord, ManifestRecord
-from swarm.runid import RunIdentity
+from swarm.run.configfile import config_from_dict
+from swarm.run.runid import RunIdentity
 
 logger = logging.getLogger(__name__)
 

@@ -9,12 +9,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from swarm.averaging import RoundOutcome
-from swarm.diloco import PseudoGradient
 from swarm.net.allreduce import WireLayout
 from swarm.net.matchmaking import Group
 from swarm.net.wire import Traffic
 from swarm.tensors import Buffers
+from swarm.train.averaging import RoundOutcome
+from swarm.train.diloco import PseudoGradient
 
 
 @dataclass

@@ -19,7 +19,7 @@ calls in with bounded waits:
   `stall_timeout`.
 - `finish()`: after the last outer step, serve the state while live peers are behind (linger.py).
 
-Methods take the trainer's `outer_step` (its count of committed outer steps, swarm/averaging.py); records,
+Methods take the trainer's `outer_step` (its count of committed outer steps, swarm/train/averaging.py); records,
 commits, state offers and downloads follow each one.
 
 A client (`swarm.client_mode`: a peer that cannot be dialed, e.g. behind a NAT) owns no part of the
@@ -45,9 +45,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
-from swarm.averaging import Averager, Download, Intake, PeerStats, RoundOutcome, Snapshot
 from swarm.config import FaultsConfig, SwarmConfig, live_window
-from swarm.diloco import PseudoGradient
 from swarm.errors import SwarmError
 from swarm.net import policy, schema
 from swarm.net.access import Access
@@ -68,6 +66,8 @@ from swarm.net.records import Records
 from swarm.net.statesync import StateForged, StateRefused, StateServer, download
 from swarm.net.wire import Traffic, WireError
 from swarm.tensors import Buffers
+from swarm.train.averaging import Averager, Download, Intake, PeerStats, RoundOutcome, Snapshot
+from swarm.train.diloco import PseudoGradient
 
 logger = logging.getLogger(__name__)
 

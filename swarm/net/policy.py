@@ -123,7 +123,7 @@ def _lower_median(values: list[int]) -> int:
 
 def truthful(me: str, progress: Sequence[ProgressRecord], held: Mapping[str, int]) -> list[ProgressRecord]:
     """The records that do not contradict what we hold (`held`: our hashes and their rounds). A hash binds the count
-    of rounds closed (swarm/statehash.py), so one hash names one round: another peer's record that puts a hash we
+    of rounds closed (swarm/state/statehash.py), so one hash names one round: another peer's record that puts a hash we
     hold at another round is false (a claim one round ahead on its real hash, while the swarm still shows few
     peers, would otherwise be half of them) and is dropped, as `plausible` drops a round too far ahead."""
     return [r for r in progress if r.peer_id == me or held.get(r.sha256, r.round) == r.round]

@@ -24,7 +24,6 @@ from typing import Callable, Optional
 import hivemind
 from hivemind.utils.timed_storage import get_dht_time
 
-from swarm.averaging import PeerStats, Snapshot
 from swarm.config import SwarmConfig, live_window
 from swarm.net import policy, schema
 from swarm.net.access import Access
@@ -32,6 +31,7 @@ from swarm.net.certificates import Anchor
 from swarm.net.hostile import Hooks
 from swarm.net.ledger import Ledger
 from swarm.net.statesync import StateServer
+from swarm.train.averaging import PeerStats, Snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class Records:
         self._dht_lock = threading.Lock()  # the trainer's thread and the heartbeat share the DHT's pipe
         self._stopping = threading.Event()
         self._progress_due = threading.Event()  # the trainer published a record: the heartbeat stores it now
-        self._committed = ""  # the state's hash (swarm/statehash.py) of our last commit (offer_state)
+        self._committed = ""  # the state's hash (swarm/state/statehash.py) of our last commit (offer_state)
         self._commit_lock = threading.Lock()
         self._signing: Optional[schema.Statement] = None  # our statement of the commit under way (`sign`)
         self._offered: Optional[Snapshot] = None  # the state offer_state was last given (None: withdrawn)

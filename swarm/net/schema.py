@@ -22,7 +22,7 @@ peer id from that key, so a peer can only ever speak for itself.
   the peer's signed `Statement`s of its last `STATEMENTS` commits (its progress record the last one, so that a
   claim and what backs it arrive together): the certificates the quorum counts votes by (certificates.py).
 - `{run_id}_run`       dictionary, subkey = owner marker, value = `RunRecord.dict()`: the run fingerprint
-  (swarm/runid.py: the run config, corpus and initial weights) each peer joined with, what peers must share
+  (swarm/run/runid.py: the run config, corpus and initial weights) each peer joined with, what peers must share
   to average together. A peer whose fingerprint differs from the one most peers of the run signed refuses
   to join (dht.py), naming the first key that differs (read from the run's manifest).
 
@@ -34,7 +34,7 @@ peer id from that key, so a peer can only ever speak for itself.
   like every record; a reader believes only a manifest whose fingerprint is the run's (the majority of
   `{run_id}_run`) and whose config reproduces it (swarm/net/manifest.py). Kept `RUN_RECORD_EXPIRATION`.
 - `{run_id}_leases`    dictionary, subkey = owner marker, value = `LeaseRecord.dict()`: the data shard each peer
-  holds and how far it read it (swarm/data_leases.py is the policy, swarm/net/leases.py the store and reads).
+  holds and how far it read it (swarm/data/leases.py is the policy, swarm/net/leases.py the store and reads).
   Stored when a peer takes a shard and re-stored at every round's close. A lease is live while its `time`
   is within the live window or its owner's progress record is live (`config.live_window`): a dead peer's
   lease expires with its heartbeat. The record itself is kept `RUN_RECORD_EXPIRATION`, so that the samples
@@ -168,7 +168,7 @@ class RunRecord(BaseModel):
 
 MANIFEST_VERSION = 2
 """The manifest layout this code writes and reads; a reader refuses a newer one (it may mean other things).
-2: the fingerprint hashes the whole run config, the corpus and the initial weights (swarm/runid.py)."""
+2: the fingerprint hashes the whole run config, the corpus and the initial weights (swarm/run/runid.py)."""
 MAX_MANIFEST_BYTES = 16384
 """A config's JSON is a few KB (configs/llama-1b.yaml: ~2 KB); this bounds what a stranger can make every
 reader parse and every DHT node store."""
@@ -186,7 +186,7 @@ class ManifestRecord(BaseModel):
     creator: constr(max_length=64, strict=True)  # peer id of the peer that created the run (as the writer knows)
     time: StrictFloat
     version: conint(ge=1, strict=True)
-    corpus_sha256: constr(max_length=64, strict=True) = ""  # the run's prepared corpus (swarm/runid.py)
+    corpus_sha256: constr(max_length=64, strict=True) = ""  # the run's prepared corpus (swarm/run/runid.py)
     weights_sha256: Optional[constr(max_length=64, strict=True)] = None  # model.pretrained's weights, if any
     work: Work = 0
 
@@ -202,7 +202,7 @@ class ManifestRecord(BaseModel):
 
 
 class LeaseRecord(BaseModel):
-    """The data shard one peer holds (swarm/data_leases.py), signed by it."""
+    """The data shard one peer holds (swarm/data/leases.py), signed by it."""
 
     name: Name  # the peer's name: a restarted peer with a fresh key finds its lease by it
     shard: conint(ge=0, strict=True)

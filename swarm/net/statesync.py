@@ -6,14 +6,14 @@ and byte count), then each tensor's bytes in DATA frames of at most `DATA_BYTES`
 blob on either side, and nothing is copied to serve it: global parameters and outer momentum do not change until
 the donor's next outer step, and it reads them under its `DiLoCo.version` seqlock: if it commits again (or
 starts loading a state) mid-download, it stops with FAIL and the newcomer tries again. A served state holds
-nothing else: a donor's AdamW moments are its own (swarm/statehash.py says why a taker starts its inner
+nothing else: a donor's AdamW moments are its own (swarm/state/statehash.py says why a taker starts its inner
 optimizer afresh).
 
 The receiver checks before it writes a byte: the outer steps and hash must be what the swarm committed
 (`check`, from the DHT records, not from the donor), and every tensor must be one it expects, by name,
 dtype, shape and byte count (`Intake.destinations`). Each DATA frame may hold no more than the rest of
 its tensor, so no donor can make it buffer more than one frame; bytes are written in place on the
-receiver's own device. After the last byte the state must hash to the announced hash (swarm/statehash.py: the
+receiver's own device. After the last byte the state must hash to the announced hash (swarm/state/statehash.py: the
 global parameters, the outer momentum and the rounds closed of the manifest's `meta`), or it is `StateForged`:
 a donor that changed any of them under its committed hash is refused and charged. Any refusal raises
 `StateRefused` naming the reason; the caller then tries the next donor. A failed download leaves the
@@ -33,15 +33,15 @@ from typing import Callable, Optional
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from swarm.averaging import Download, Intake, Snapshot
 from swarm.errors import SwarmError
 from swarm.net.access import Access
 from swarm.net.budget import transfer_deadline
 from swarm.net.hostile import Hooks
 from swarm.net.wire import FIRST_FRAME_STALLS, Channel, Kind, ProtocolError, serve
-from swarm.state import TensorSpec
-from swarm.statehash import covers, state_sha256
+from swarm.state.peerstate import TensorSpec
+from swarm.state.statehash import covers, state_sha256
 from swarm.tensors import byte_view
+from swarm.train.averaging import Download, Intake, Snapshot
 
 logger = logging.getLogger(__name__)
 

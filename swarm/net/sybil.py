@@ -23,9 +23,9 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.config import shared_config
-from swarm.configfile import config_from_dict
 from swarm.net.work import public_key, search
-from swarm.runid import RunIdentity
+from swarm.run.configfile import config_from_dict
+from swarm.run.runid import RunIdentity
 
 logger = logging.getLogger(__name__)
 

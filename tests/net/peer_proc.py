@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 
-from swarm.averaging import Snapshot
 from swarm.config import SwarmConfig
-from swarm.diloco import PseudoGradient
 from swarm.net.dht import start_dht
 from swarm.net.hostile import Attacker, Hooks
 from swarm.net.identity import load_identity
 from swarm.net.peer import SwarmAverager
+from swarm.train.averaging import Snapshot
+from swarm.train.diloco import PseudoGradient
 
 
 def make_vector(seed: int, numel: int) -> list[torch.Tensor]:

@@ -19,8 +19,8 @@ BYTES_PER_ELEMENT = {"none": 4, "fp16": 2, "int8": 1 + 4 / 64, "int4": 0.5 + 4 /
 @pytest.fixture(scope="module")
 def real_pseudo_grad() -> torch.Tensor:
     """A real pseudo-gradient: the tiny Llama after 8 AdamW steps on the embedded corpus, minus its start."""
-    from swarm.data import TrainBatches, load_corpus
-    from swarm.model import build_model
+    from swarm.data.batches import TrainBatches, load_corpus
+    from swarm.train.model import build_model
 
     cfg = tiny_config(model={"hidden_size": 64, "intermediate_size": 172})
     torch.manual_seed(0)

@@ -10,8 +10,8 @@ import shutil
 import pytest
 from loopback_p2p import LoopbackNet
 
-from swarm.configfile import load_config
-from swarm.data import load_corpus
+from swarm.data.batches import load_corpus
+from swarm.data.tokens import Prepared
 from swarm.net.access import Access
 from swarm.net.corpussync import (
     FILES,
@@ -25,7 +25,7 @@ from swarm.net.corpussync import (
     fetch,
 )
 from swarm.net.wire import Channel, Kind, PeerFailed
-from swarm.tokens import Prepared
+from swarm.run.configfile import load_config
 
 
 @pytest.fixture(scope="module")

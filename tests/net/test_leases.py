@@ -7,10 +7,10 @@ import pytest
 from hivemind.utils.timed_storage import get_dht_time
 
 from swarm.config import live_window
-from swarm.configfile import load_config
 from swarm.net.dht import start_dht
 from swarm.net.identity import load_identity
 from swarm.net.leases import ShardLeases
+from swarm.run.configfile import load_config
 
 
 class Clock:

@@ -18,7 +18,6 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import ValueWithExpiration
 from loopback_p2p import LoopbackNet
 
-from swarm.averaging import Intake, Snapshot
 from swarm.config import SwarmConfig
 from swarm.errors import SwarmError
 from swarm.net import dht as dht_module
@@ -28,7 +27,8 @@ from swarm.net.hostile import TRICKLE_STREAMS, Attacker, Hooks, Reach
 from swarm.net.identity import load_identity
 from swarm.net.records import Records
 from swarm.net.wire import HEADER, Channel, Closed, Kind, PeerFailed, serve
-from swarm.statehash import state_sha256, tensors_digest
+from swarm.state.statehash import state_sha256, tensors_digest
+from swarm.train.averaging import Intake, Snapshot
 
 STALL = 0.3
 

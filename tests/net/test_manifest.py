@@ -8,7 +8,7 @@ from swarm.net import schema
 from swarm.net.dht import start_dht
 from swarm.net.identity import load_identity
 from swarm.net.manifest import fetch_manifest, publish, read_index, read_manifests, shared_config
-from swarm.runid import RunIdentity
+from swarm.run.runid import RunIdentity
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.slow  # starts peers, DHTs or `swarm` processes (make test-fast leaves it out)

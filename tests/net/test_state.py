@@ -10,16 +10,16 @@ import torch
 from conftest import fast_cfg
 from hivemind.utils.timed_storage import get_dht_time
 
-from swarm.averaging import Intake, Snapshot
 from swarm.config import FaultsConfig, OuterConfig, live_window
-from swarm.diloco import DiLoCo, PseudoGradient
 from swarm.errors import SwarmError
 from swarm.net import schema, statesync
 from swarm.net.dht import start_dht
 from swarm.net.hostile import Hooks
 from swarm.net.identity import load_identity
 from swarm.net.peer import SwarmAverager
-from swarm.state import destinations, served_tensors
+from swarm.state.peerstate import destinations, served_tensors
+from swarm.train.averaging import Intake, Snapshot
+from swarm.train.diloco import DiLoCo, PseudoGradient
 
 CFG = dict(progress_interval=0.2, stall_timeout=2.0)
 
@@ -280,7 +280,7 @@ def test_state_names_and_the_intake_refuse_a_model_of_another_shape():
     ours = DiLoCo(torch.nn.Linear(4, 4), OuterConfig())
     theirs = DiLoCo(torch.nn.Linear(4, 3), OuterConfig())
     opt = torch.optim.AdamW(ours.model.parameters())
-    from swarm.state import TensorSpec
+    from swarm.state.peerstate import TensorSpec
     specs = [TensorSpec.of(f"global.{i}", g) for i, g in enumerate(theirs.global_params)]
     with pytest.raises(ValueError, match="global.0 float32 \\[3, 4\\], expected global.0 float32 \\[4, 4\\]"):
         destinations(ours, opt, specs)
@@ -333,7 +333,7 @@ def test_a_refused_state_is_logged_naming_the_donor_and_the_next_attempt_is_made
 def test_a_donor_serving_poisoned_momentum_under_its_hash_is_refused_by_name_and_an_honest_one_taken(
         poisoner_honest_newcomer, caplog):
     """`poison-momentum` (hostile.py): the poisoner serves its real global parameters and committed hash, and its
-    outer momentum times -10. The state's hash covers the momentum (swarm/statehash.py), so the newcomer refuses
+    outer momentum times -10. The state's hash covers the momentum (swarm/state/statehash.py), so the newcomer refuses
     it as forged, naming the poisoner, charges it, and takes the honest donor's state: its momentum is the one
     the swarm committed."""
     import logging

@@ -110,7 +110,7 @@ def test_sybil_identities_outvote_the_run_for_a_newcomer_unless_each_vote_costs_
     from swarm.config import Config, shared_config
     from swarm.net.hostile import sybil_attack
     from swarm.net.manifest import choose_manifest, publish, read_manifests
-    from swarm.runid import RunIdentity
+    from swarm.run.runid import RunIdentity
 
     evil_dht = start_dht(fast_cfg(initial_peers=bootstrap))
     try:

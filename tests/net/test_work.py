@@ -15,7 +15,7 @@ from swarm.net.manifest import choose_manifest
 from swarm.net.matchmaking import Group
 from swarm.net.policy import run_fingerprint
 from swarm.net.sybil import forged_run, mint
-from swarm.runid import RunIdentity
+from swarm.run.runid import RunIdentity
 
 BITS = 8  # 256 hashes expected: a test's worth
 

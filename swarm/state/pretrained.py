@@ -1,0 +1,137 @@
+"""Warm start: a run that starts from the weights of a Hugging Face model folder (`model.pretrained`).
+
+    swarm peer --config configs/tiny.yaml --model.pretrained model     # e.g. a folder `swarm export` wrote
+
+Each peer builds its model from its own copy of the folder, wherever it lies: `model.pretrained` is a per-peer
+key (config.PER_PEER_KEYS; `swarm join RUN --model.pretrained DIR`). What the peers of a run share instead is
+the folder's content hash (`pretrained_sha256`: its config.json and the bytes of its weight files, not its
+path), part of the run's identity (swarm/run/runid.py `weights_sha256`, its manifest, its fingerprint): a folder
+with other weights is another run, and a joiner of a warm-started run that names no folder is told to pass
+one. Nothing is downloaded: the folder must be on disk, with a config.json and weights (`check_folder`), and
+the model's embedding must fit the tokenizer (`load`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+from swarm.config import Config, ModelConfig
+from swarm.errors import UsageError
+
+WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.index.json")  # weight files and their shard indexes
+NOT_CONTENT = ("transformers_version", "_name_or_path")  # config.json keys about the writer, not the model
+PADDING = 512  # an embedding may have up to this many rows more than the tokenizer has tokens (padding)
+PIECE = 2**24
+log = logging.getLogger(__name__)
+
+
+def check_folder(path: str | Path) -> Path:
+    """`path` as a Hugging Face model folder (config.json naming a model type, weight files); UsageError naming
+    it otherwise."""
+    folder = Path(path).expanduser()
+    what = f"model.pretrained {path}"
+    if not folder.is_dir():
+        raise UsageError(f"{what}: no such folder (a Hugging Face model folder, e.g. one `swarm export` wrote)")
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{what} is not a Hugging Face model folder: its config.json does not read "
+                         f"({type(e).__name__})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise UsageError(f"{what} is not a Hugging Face model folder: its config.json names no model_type")
+    if not _weight_files(folder):
+        raise UsageError(f"{what} is not a Hugging Face model folder: it holds no weights (*.safetensors, *.bin)")
+    return folder
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    return sorted({p for pattern in WEIGHTS for p in folder.glob(pattern) if p.is_file()})
+
+
+def pretrained_sha256(path: str | Path) -> str:
+    """The content hash of the model folder `path`: its config.json (less the keys that name the writer) and the
+    bytes of its weight files, by name. The same for every copy of the folder wherever it lies. Computed once
+    while the files keep their sizes and modification times, and remembered across starts (`remembered`): a
+    30B folder is 120 GB to read, minutes at every start otherwise."""
+    folder = check_folder(path)
+    files = [folder / "config.json", *_weight_files(folder)]
+    stamp = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    return _digest(str(folder.resolve()), stamp)
+
+
+def remembered() -> Path:
+    """The file that remembers weight hashes by folder and stamp: $XDG_CACHE_HOME/swarm/weights-sha256.json (by
+    default ~/.cache/swarm/). A folder whose files were written to since has another stamp and is hashed again,
+    as swarm/data/tokens.py does for token files."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "swarm" / "weights-sha256.json"
+
+
+def _recall(key: str) -> Optional[str]:
+    try:
+        found = json.loads(remembered().read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return found if isinstance(found, str) and len(found) == 64 else None
+
+
+def _remember(key: str, sha256: str) -> None:
+    path = remembered()
+    try:
+        try:
+            known = json.loads(path.read_text())
+        except (OSError, ValueError):
+            known = {}
+        known = {**(known if isinstance(known, dict) else {}), key: sha256}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(dict(list(known.items())[-64:]), indent=1))
+        tmp.replace(path)
+    except OSError as e:  # a read-only home: hashed again at the next start, never trusted unhashed
+        log.warning("cannot remember the hash of %s in %s: %s", key, path, e)
+
+
+@functools.lru_cache(maxsize=8)
+def _digest(folder: str, stamp: tuple) -> str:
+    key = json.dumps([folder, stamp])
+    if (known := _recall(key)) is not None:
+        return known
+    digest = hashlib.sha256()
+    config = json.loads((Path(folder) / "config.json").read_text())
+    digest.update(json.dumps({k: v for k, v in config.items() if k not in NOT_CONTENT}, sort_keys=True).encode())
+    for name, size, _ in stamp[1:]:
+        digest.update(f"\0{name}\0{size}\0".encode())
+        with open(Path(folder) / name, "rb") as f:
+            while piece := f.read(PIECE):
+                digest.update(piece)
+    _remember(key, digest.hexdigest())
+    return digest.hexdigest()
+
+
+def check(cfg: Config) -> None:
+    """Refuse, before anything starts, a `model.pretrained` that is not a Hugging Face model folder."""
+    if cfg.model.pretrained is not None:
+        check_folder(cfg.model.pretrained)
+
+
+def load(cfg: ModelConfig, vocab_size: int, tokenizer: str):
+    """The model of the folder `cfg.pretrained`, in fp32; UsageError if it does not load or if its embedding
+    does not fit `tokenizer`'s `vocab_size` tokens (as many rows, or up to PADDING more)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = check_folder(cfg.pretrained)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    except (OSError, ValueError, KeyError) as e:
+        raise UsageError(f"cannot load model.pretrained {cfg.pretrained}: {str(e).splitlines()[0]}") from None
+    rows = model.get_input_embeddings().num_embeddings
+    if not vocab_size <= rows < vocab_size + PADDING:
+        raise UsageError(f"model.pretrained {cfg.pretrained} has {rows} embedding rows and data.tokenizer "
+                         f"{tokenizer!r} {vocab_size} tokens: they must agree (a tokenizer of that model)")
+    return model
