@@ -55,7 +55,7 @@ def diloco_sim(steps: int, h: int, olr: float, tmp: Path, delay: int = 0, fragme
     cfg = tiny_config(steps, h, olr, diloco={"delay": delay, "fragments": fragments, "mix_alpha": alpha})
     start = time.perf_counter()
     trainers = simulate(cfg, M, tmp / f"sim-h{h}-olr{olr}-d{delay}-f{fragments}-a{alpha}")
-    hist = trainers[0].history
+    hist = trainers[0].progress.history
     curve = [(0, hist.initial_eval_loss)] + [(r.round * h, r.eval_loss) for r in hist.rounds
                                              if r.committed and r.eval_loss is not None]
     return curve, time.perf_counter() - start

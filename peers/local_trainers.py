@@ -33,7 +33,7 @@ def run_solo(cfg: Config, out_dir: Path) -> Path:
     trainer = Trainer(cfg, averager, peer_id="solo", shard=shard, out_dir=out_dir, ranks=ranks)
     shown = Progress(cfg, "solo", live=None if ranks.endpoint else False)
     try:
-        history = trainer.train(lambda round_, step, loss: shown.step(round_, step, loss, trainer.step))
+        history = trainer.train(lambda round_, step, loss: shown.step(round_, step, loss, trainer.progress.step))
     finally:
         shown.close()
     write_rank(out_dir, ranks, trainer)
@@ -50,7 +50,7 @@ def run_sim(cfg: Config, replicas: int, out_dir: Path) -> Path:
     """M replicas on disjoint shards, averaged in memory each round; write summary.json and loss.png."""
     start = time.time()
     trainers = simulate(cfg, replicas, out_dir)
-    peers = [peer_summary(t.history) for t in trainers]
+    peers = [peer_summary(t.progress.history) for t in trainers]
     path = write_summary(out_dir, cfg.swarm.run_id, f"sim x{replicas}", cfg.to_dict(), time.time() - start, peers)
     print(format_table(peers))
     return path

@@ -68,7 +68,7 @@ def run_peer(cfg: Config, out_dir: Path, name: Optional[str]) -> Path:
 
 
 def _peer_json(out_dir: Path, trainer: Trainer, name: str, ranks: Ranks) -> dict:
-    summary = peer_summary(trainer.history, ranks.world_size)
+    summary = peer_summary(trainer.progress.history, ranks.world_size)
     summary["name"] = name
     write_json(out_dir / "peer.json", summary)
     return summary
@@ -158,7 +158,7 @@ def _run_endpoint(cfg: Config, out_dir: Path, name: Optional[str], ranks: Ranks)
 
         def progress(round_: int, step: int, loss: float) -> None:
             status.update(name=name, peer_id=peer_id, state="training", round=round_, step=step, loss=loss)
-            shown.step(round_, step, loss, trainer.step)
+            shown.step(round_, step, loss, trainer.progress.step)
 
         try:
             trainer.train(progress)
@@ -168,7 +168,7 @@ def _run_endpoint(cfg: Config, out_dir: Path, name: Optional[str], ranks: Ranks)
                           loss=None)
         finally:  # finished, stopped or failed: say where this peer got to
             shown.close()
-            trainer.history.events += averager.access.events  # peers refused, banned or ignored, and why
+            trainer.progress.history.events += averager.access.events  # peers refused, banned or ignored, and why
             path = write_summary(out_dir, cfg.swarm.run_id, "peer", cfg.to_dict(), time.time() - start,
                                  [_peer_json(out_dir, trainer, name, ranks)])
         return path

@@ -59,7 +59,7 @@ def test_an_interrupted_and_resumed_peer_reads_the_windows_the_uninterrupted_one
         "shard": 0, "identity": "a", "epoch": 36 // len(straight.batches), "offset": 36 % len(straight.batches),
         "samples": 36}
     assert resumed.diloco.global_sha256() == straight.diloco.global_sha256()
-    assert resumed.history.data == {"shard": 0, "identity": "a", "leased": False, "samples": 36,
+    assert resumed.progress.history.data == {"shard": 0, "identity": "a", "leased": False, "samples": 36,
                                     "overlap_samples": 0}
 
 
@@ -106,7 +106,7 @@ def test_a_leased_peer_moved_between_shards_resumes_on_its_shard_with_every_posi
     resumed.train()
     assert again.asked[0] == ("acquire", 2, 123.0, {1: 12, 2: 12})  # its shard back, since its first claim
     assert resumed.batches.state()["samples"] == 24 and resumed.data.positions == {1: 12}
-    assert resumed.history.data["samples"] == 36 and resumed.history.data["leased"]
+    assert resumed.progress.history.data["samples"] == 36 and resumed.progress.history.data["leased"]
 
 
 def test_an_older_checkpoint_s_position_is_step_times_batch_in_the_order_of_seed_and_shard():

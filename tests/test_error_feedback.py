@@ -83,10 +83,10 @@ def test_trainer_adds_residual_to_next_pseudo_gradient_and_checkpoints_it(tmp_pa
     assert all(torch.equal(e, torch.full_like(e, 0.002)) for e in feedback)
     assert not any(k.startswith("error_feedback") for k in shared_tensors(trainer.diloco, trainer.optimizer))
     resumed = Trainer(cfg, averager, "p", shard=0, out_dir=tmp_path)
-    assert resumed.resume()
-    assert all(torch.equal(a, b) for a, b in zip(resumed.error_feedback, feedback))
+    assert resumed.state.resume()
+    assert all(torch.equal(a, b) for a, b in zip(resumed.progress.error_feedback, feedback))
 
     off = tiny_config(diloco={"rounds": 1, "inner_steps": 2}, checkpoint={"every": 0})
     quiet = Trainer(off, ResidualAverager(), "q", shard=0, out_dir=tmp_path / "off")
     quiet.train()
-    assert quiet.error_feedback is None  # swarm.error_feedback defaults to off
+    assert quiet.progress.error_feedback is None  # swarm.error_feedback defaults to off

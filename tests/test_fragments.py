@@ -134,7 +134,7 @@ def test_fragments_one_is_todays_run(tmp_path, delay):
         cfg = tiny_config(diloco={"rounds": 3, "inner_steps": 4, "delay": delay, **extra}, checkpoint={"every": 0})
         runs.append(simulate(cfg, 2, tmp_path / name)[0])
     assert runs[0].diloco.global_sha256() == runs[1].diloco.global_sha256()
-    assert [r.train_loss for r in runs[0].history.rounds] == [r.train_loss for r in runs[1].history.rounds]
+    assert [r.train_loss for r in runs[0].progress.history.rounds] == [r.train_loss for r in runs[1].progress.history.rounds]
 
 
 @pytest.mark.timeout(120)
@@ -147,8 +147,8 @@ def test_a_discarded_fragment_keeps_its_local_progress(tmp_path, delay):
     trainer = Trainer(cfg, DiscardsOnce(2), "replica-0", shard=0, out_dir=tmp_path)
     trainer.train()
     assert [f.commits for f in trainer.fragments.all] == [2, 3]
-    assert [(r.round, r.committed) for r in trainer.history.rounds] == [(1, True), (2, True), (3, True)]
-    assert [(e["round"], e["fragment"]) for e in trainer.history.events if e["event"] == "fragment_discarded"] \
+    assert [(r.round, r.committed) for r in trainer.progress.history.rounds] == [(1, True), (2, True), (3, True)]
+    assert [(e["round"], e["fragment"]) for e in trainer.progress.history.events if e["event"] == "fragment_discarded"] \
         == [(1, 0)]
     expected = reference_streaming(cfg, 1, TINY_TWO, discard={2})
     for ours, ref in zip(trainer.diloco.global_params, expected):
@@ -162,9 +162,9 @@ def test_a_discarded_round_end_fragment_retries_the_round(tmp_path):
     cfg = tiny_config(diloco={"rounds": 3, "inner_steps": 4, "delay": 1, "fragments": 2}, checkpoint={"every": 0})
     trainer = Trainer(cfg, DiscardsOnce(3), "replica-0", shard=0, out_dir=tmp_path)
     trainer.train()
-    assert trainer.diloco.round == 3 and trainer.step == 16
+    assert trainer.diloco.round == 3 and trainer.progress.step == 16
     assert [f.commits for f in trainer.fragments.all] == [4, 3]
-    assert [(r.round, r.committed) for r in trainer.history.rounds] == [(1, True), (1, False), (2, True), (3, True)]
+    assert [(r.round, r.committed) for r in trainer.progress.history.rounds] == [(1, True), (1, False), (2, True), (3, True)]
     expected = reference_streaming(cfg, 1, TINY_TWO, discard={3})
     for ours, ref in zip(trainer.diloco.global_params, expected):
         assert torch.allclose(ours, ref, atol=1e-6, rtol=0)
@@ -188,9 +188,9 @@ def test_a_fragmented_run_resumes_from_its_last_committed_round(tmp_path, delay)
     straight = Trainer(cfg, SoloAverager(), "a", shard=0, out_dir=tmp_path / "straight")
     straight.train()
     second = resumed_after(cfg, tmp_path / "resumed", stop_round=2)
-    assert second.diloco.round == 4 and second.step == 16 + delay  # checkpointed `delay` steps into round 3
-    assert [r.round for r in second.history.rounds if r.committed] == [1, 2, 3, 4]
-    for ours, ref in zip(second.history.rounds[:2], straight.history.rounds[:2]):
+    assert second.diloco.round == 4 and second.progress.step == 16 + delay  # checkpointed `delay` steps into round 3
+    assert [r.round for r in second.progress.history.rounds if r.committed] == [1, 2, 3, 4]
+    for ours, ref in zip(second.progress.history.rounds[:2], straight.progress.history.rounds[:2]):
         assert (ours.train_loss, ours.global_sha256) == (ref.train_loss, ref.global_sha256)
 
 
@@ -264,8 +264,8 @@ def test_a_peer_behind_at_a_mid_round_exchange_goes_on_from_the_donors_inner_ste
     assert [(o, m["round"], m["inner"]) for o, m, _ in offered] == positions  # the 4th: the donor's, taken
     assert offered[2][2]["global.0"].ne(donor.averager.offered[2][2]["global.0"]).any()  # its own round 1
     assert all(torch.equal(t, donor.averager.offered[3][2][k]) for k, t in offered[3][2].items())
-    assert taker.step == donor.step == 12  # the donor's step (6 + delay) and the 2 - delay + 4 inner steps after
-    assert [e["to_round"] for e in taker.history.events if e["event"] == "state_downloaded"] == [1]
+    assert taker.progress.step == donor.progress.step == 12  # the donor's step (6 + delay) and the 2 - delay + 4 inner steps after
+    assert [e["to_round"] for e in taker.progress.history.events if e["event"] == "state_downloaded"] == [1]
 
 
 @pytest.mark.timeout(60)

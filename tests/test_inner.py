@@ -108,7 +108,7 @@ def test_adamw8bit_trains_and_a_resumed_run_equals_an_uninterrupted_one(tmp_path
     assert moments["state1"].dtype == torch.uint8 and moments["step"] == 9  # 8-bit moments, counted in ints
 
     second = resumed_after(cfg, tmp_path / "resumed", stop_round=1)
-    assert [r.eval_loss for r in second.history.rounds] == [r.eval_loss for r in history.rounds]
+    assert [r.eval_loss for r in second.progress.history.rounds] == [r.eval_loss for r in history.rounds]
     assert second.diloco.global_sha256() == straight.diloco.global_sha256()
 
 

@@ -126,8 +126,8 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path):
     straight.train()
     second = resumed_after(cfg, tmp_path / "resumed", stop_round=2)
 
-    ours = [(r.train_loss, r.eval_loss) for r in second.history.rounds]
-    ref = [(r.train_loss, r.eval_loss) for r in straight.history.rounds]
+    ours = [(r.train_loss, r.eval_loss) for r in second.progress.history.rounds]
+    ref = [(r.train_loss, r.eval_loss) for r in straight.progress.history.rounds]
     assert len(ours) == len(ref) == 4
     for (a, b), (c, d) in zip(ours, ref):
         assert abs(a - c) < 1e-6 and abs(b - d) < 1e-6
@@ -173,8 +173,8 @@ def test_a_discarded_last_round_is_trained_again_and_committed(tmp_path, delay):
     trainer = Trainer(cfg, DiscardsOnce(2), "a", shard=0, out_dir=tmp_path)
     trainer.train()
     assert trainer.diloco.round == 3
-    assert [(r.round, r.committed) for r in trainer.history.rounds] == [(1, True), (2, True), (2, False), (3, True)]
-    assert trainer.step == 12  # the discarded round's inner steps, and one more round of them
+    assert [(r.round, r.committed) for r in trainer.progress.history.rounds] == [(1, True), (2, True), (2, False), (3, True)]
+    assert trainer.progress.step == 12  # the discarded round's inner steps, and one more round of them
 
 
 @pytest.mark.timeout(120)
@@ -186,8 +186,8 @@ def test_a_delayed_run_resumes_from_its_last_committed_round(tmp_path):
     straight.train()
     second = resumed_after(cfg, tmp_path / "resumed", stop_round=2)
     assert second.diloco.round == 4
-    assert [r.round for r in second.history.rounds if r.committed] == [1, 2, 3, 4]
-    for ours, ref in zip(second.history.rounds[:2], straight.history.rounds[:2]):
+    assert [r.round for r in second.progress.history.rounds if r.committed] == [1, 2, 3, 4]
+    for ours, ref in zip(second.progress.history.rounds[:2], straight.progress.history.rounds[:2]):
         assert (ours.train_loss, ours.global_sha256) == (ref.train_loss, ref.global_sha256)
 
 
@@ -221,11 +221,11 @@ def test_a_checkpoint_of_another_model_is_refused_before_anything_is_written(tmp
     cfg = tiny_config(diloco={"rounds": 1, "inner_steps": 2})
     big = Trainer(tiny_config(model={"hidden_size": 48}, diloco={"rounds": 1, "inner_steps": 2}), SoloAverager(),
                   "a", shard=0, out_dir=tmp_path)
-    big.save_checkpoint()
+    big.state.save_checkpoint()
     small = Trainer(cfg, SoloAverager(), "b", shard=0, out_dir=tmp_path)
     before = small.diloco.global_sha256()
     with pytest.raises(CorruptCheckpoint, match="does not fit this model: tensor 0 is global.0"):
-        small.resume()
+        small.state.resume()
     assert small.diloco.global_sha256() == before
 
 
@@ -264,16 +264,16 @@ def test_a_model_that_goes_non_finite_after_every_state_taken_stops_naming_the_r
     poisoned = PoisonedDonor()
     trainer = Trainer(cfg, poisoned, "a", shard=0, out_dir=tmp_path)
     poisoned.tensors = {k: torch.full_like(t, float("nan")) if k.startswith("global.") else t.clone()
-                        for k, t in trainer.snapshot().tensors.items()}
+                        for k, t in trainer.state.snapshot().tensors.items()}
     poisoned.specs = [TensorSpec.of(k, t) for k, t in poisoned.tensors.items()]
     poisoned.meta = {"round": 0, "step": 0, "inner": 0}
     with pytest.raises(SwarmError, match=rf"round 1: the local model went non-finite {NON_FINITE_TRIES + 1} times "
                                          r"in a row, the last after taking the state of poisoner"):
         trainer.train()
-    events = [e["event"] for e in trainer.history.events]
+    events = [e["event"] for e in trainer.progress.history.events]
     assert events.count("non_finite_model") == NON_FINITE_TRIES + 1
     assert events.count("state_downloaded") == NON_FINITE_TRIES
-    assert not trainer.history.rounds
+    assert not trainer.progress.history.rounds
 
 
 @pytest.mark.timeout(120)
@@ -308,10 +308,10 @@ def test_a_taken_state_sets_only_what_its_hash_covers(tmp_path):
     cfg = tiny_config(diloco={"rounds": 2, "inner_steps": 4}, checkpoint={"every": 0})
     donor = Trainer(cfg, SoloAverager(), "donor", shard=0, out_dir=tmp_path / "donor")
     donor.train()
-    served = donor.snapshot()
+    served = donor.state.snapshot()
     assert {k.partition(".")[0] for k in served.tensors} == {"global", "momentum"}
     taker = Trainer(cfg, SoloAverager(), "taker", shard=1, out_dir=tmp_path / "taker")
-    intake = taker.intake()
+    intake = taker.state.intake()
     with_moments = shared_tensors(donor.diloco, donor.optimizer)
     with pytest.raises(ValueError, match=r"carries adam\.0\.exp_avg, which the state's hash does not cover"):
         intake.destinations([TensorSpec.of(k, t) for k, t in with_moments.items()])
@@ -323,5 +323,5 @@ def test_a_taken_state_sets_only_what_its_hash_covers(tmp_path):
     with pytest.raises(ValueError, match="not a position of this run"):
         intake.accept(dict(served.meta, inner=1), served.round)  # one fragment: a taker starts the round
     intake.accept(dict(served.meta, step=10**6), served.round)
-    assert (taker.diloco.round, taker.step) == (2, 2 * 4) and not taker.optimizer.state
+    assert (taker.diloco.round, taker.progress.step) == (2, 2 * 4) and not taker.optimizer.state
     assert taker.diloco.global_sha256() == donor.diloco.global_sha256() == served.sha256

@@ -39,10 +39,10 @@ def test_a_run_warm_started_from_an_export_continues_the_loss_curve(exported, tm
     cfg = warm(folder, diloco={"rounds": 2, "inner_steps": 3})
     second = Trainer(cfg, SoloAverager(), "b", shard=0, out_dir=tmp_path)
     second.train()
-    end_of_first = first.history.rounds[-1].eval_loss
-    assert second.history.initial_eval_loss == pytest.approx(end_of_first, abs=1e-5)  # where the first run ended
-    assert end_of_first < first.history.initial_eval_loss - 0.3  # (5.44 -> 4.98, seeded)
-    assert second.history.rounds[-1].eval_loss < end_of_first  # and it goes on down
+    end_of_first = first.progress.history.rounds[-1].eval_loss
+    assert second.progress.history.initial_eval_loss == pytest.approx(end_of_first, abs=1e-5)  # where the first run ended
+    assert end_of_first < first.progress.history.initial_eval_loss - 0.3  # (5.44 -> 4.98, seeded)
+    assert second.progress.history.rounds[-1].eval_loss < end_of_first  # and it goes on down
 
 
 def test_peers_share_the_weights_hash_not_their_path(exported, tmp_path):
@@ -149,7 +149,7 @@ def test_a_run_warm_started_from_another_model_family_trains_and_exports_it(tmp_
     cfg = warm(tmp_path / "gpt2", diloco={"rounds": 1, "inner_steps": 3})
     trainer = Trainer(cfg, SoloAverager(), "a", shard=0, out_dir=tmp_path / "run")
     trainer.train()
-    assert trainer.history.rounds[-1].eval_loss < trainer.history.initial_eval_loss
+    assert trainer.progress.history.rounds[-1].eval_loss < trainer.progress.history.initial_eval_loss
     out = export_hf(tmp_path / "run", tmp_path / "exported")
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.model_type == "gpt2"

@@ -41,13 +41,13 @@ from swarm.train.model import build_model, count_parameters
 from swarm.train.overlap import Exchange
 from swarm.train.ranks import SINGLE, Ranks
 from swarm.train.sharding import Shards, shard_model
-from swarm.train.trainer_state import TrainerState
+from swarm.train.trainer_state import Parts, Progress, StateKeeper
 
 log = logging.getLogger("swarm.trainer")
 NON_FINITE_TRIES = 3  # states taken in a row after the local model went NaN/Inf before a peer gives up
 
 
-class Trainer(TrainerState):
+class Trainer:
     """One peer's model, inner optimizer, DiLoCo state and data, with save/restore of all of it."""
 
     def __init__(self, cfg: Config, averager: Averager, peer_id: str, shard: Optional[int], out_dir: Path,
@@ -76,16 +76,12 @@ class Trainer(TrainerState):
         self.train_model = ranks.wrap(self.model, sharded)  # DDP over the peer's ranks, or the model itself
         total = cfg.diloco.rounds * cfg.diloco.inner_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.inner, total))
-        self.step = 0  # inner steps done by this peer: the schedule position and the data position
-        self.inner = 0  # inner steps done in the current round
-        self.samples = [0] * len(self.fragments.all)  # per fragment: the samples its next pseudo-gradient covers
-        # swarm.error_feedback: what quantization dropped from this peer's last committed contribution, added
-        # to its next pseudo-gradient. Per peer: in its checkpoint, never in the state served to newcomers.
-        self.error_feedback: Optional[list[torch.Tensor]] = None
-        self.history = PeerHistory(peer_id=peer_id)
+        self.progress = Progress(PeerHistory(peer_id=peer_id), [0] * len(self.fragments.all))
         self.last_eval: Optional[tuple[int, float]] = None  # (round, held-out loss), shown to watchers
         self.non_finite_tries = 0  # states taken since the last committed round because the local model went bad
-        self.checkpointer = self.make_checkpointer(out_dir)
+        self.state = StateKeeper(Parts(cfg, self.model, self.diloco, self.fragments, self.optimizer, ranks, averager,
+                                       corpus, self.data, out_dir), self.progress, self._set_position)
+        self.checkpointer = self.state.checkpointer  # the trainer begins, commits and closes what the keeper writes
         self.metrics = Metrics(cfg, out_dir, peer_id) if ranks.endpoint else None  # metrics.csv, TensorBoard, W&B
         log.info("peer %s: %d parameters, data shard %s, %d rounds x %d inner steps", peer_id, count_parameters(
             self.model), "leased" if shard is None else shard, cfg.diloco.rounds, cfg.diloco.inner_steps)
@@ -95,19 +91,15 @@ class Trainer(TrainerState):
         return self.data.batches
 
     # ---- state: the named tensors of swarm/state/peerstate.py, in checkpoints and for newcomers ------------------
-    @property
-    def position(self) -> Position:
-        return Position(self.diloco.round, self.step, self.diloco.outer_steps, self.inner)
-
     def _set_position(self, position: Position) -> None:
         """Stand at `position`; the learning-rate schedule follows its step. The local model restarts: no local
         progress to count. Only ever called with no exchange in flight (a state is taken once the exchange that
         found us behind settled)."""
         assert self.exchange is None, "a position is set with an exchange in flight"
         step = position.step
-        self.diloco.round, self.step, self.inner = position.round, step, position.inner
+        self.diloco.round, self.progress.step, self.progress.inner = position.round, step, position.inner
         self.diloco.outer_steps = position.outer_steps
-        self.samples = [0] * len(self.fragments.all)
+        self.progress.samples = [0] * len(self.fragments.all)
         self.scheduler.last_epoch, self.scheduler._step_count = step, step + 1
         lrs = [base * fn(step) for base, fn in zip(self.scheduler.base_lrs, self.scheduler.lr_lambdas)]
         for group, lr in zip(self.optimizer.param_groups, lrs):
@@ -126,14 +118,14 @@ class Trainer(TrainerState):
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        self.inner += 1
-        self.samples = [s + batch.shape[0] for s in self.samples]
+        self.progress.step += 1
+        self.progress.inner += 1
+        self.progress.samples = [s + batch.shape[0] for s in self.progress.samples]
         return loss.item()
 
-    def train(self, progress: Optional[Callable[[int, int, float], None]] = None) -> PeerHistory:
+    def train(self, on_step: Optional[Callable[[int, int, float], None]] = None) -> PeerHistory:
         """Join the swarm (resume, or take its state), then train round after round until `diloco.rounds` are
-        committed. `progress(round, inner step, loss)` is called after every inner step."""
+        committed. `on_step(round, inner step, loss)` is called after every inner step."""
         self._join()
         try:
             while True:
@@ -141,42 +133,42 @@ class Trainer(TrainerState):
                     self._settle()  # the last round's exchange: no inner steps left to hide it behind
                 if self.diloco.round >= self.cfg.diloco.rounds:
                     break
-                if self.history.rounds:
+                if self.progress.history.rounds:
                     self.data.renew()  # a lease may have moved to an earlier claimant
-                self._train_round(progress)
-                self.history.data = self.data.report()
-            if self.history.rounds:  # the last round's eval, for watchers
-                self.averager.publish_progress(self.diloco.outer_steps, self.step, 0, 0.0,
+                self._train_round(on_step)
+                self.progress.history.data = self.data.report()
+            if self.progress.history.rounds:  # the last round's eval, for watchers
+                self.averager.publish_progress(self.diloco.outer_steps, self.progress.step, 0, 0.0,
                                                sha256=self.diloco.global_sha256(),
-                                               stats=self._stats(self.history.rounds[-1].train_loss, 0.0))
-            self.finish()
+                                               stats=self._stats(self.progress.history.rounds[-1].train_loss, 0.0))
+            self.state.finish()
         finally:  # however training stops, a committed checkpoint is finished and a begun one dropped
             if self.checkpointer is not None:
                 self.checkpointer.close()
             if self.metrics is not None:
                 self.metrics.close()
-        return self.history
+        return self.progress.history
 
     def _join(self) -> None:
         """Resume from this peer's checkpoint (a corrupt one, in a swarm: from the swarm's state), take the swarm's
         state if it is ahead, and measure the loss training starts from."""
         self._hold(0)
         try:
-            self.resume()
+            self.state.resume()
         except CorruptCheckpoint as e:
             if not self.averager.networked:
                 raise
             log.warning("%s; falling back to the state of peers", e)
-            self.history.events.append({"event": "corrupt_checkpoint", "time": time.time(), "error": str(e)})
+            self.progress.history.events.append({"event": "corrupt_checkpoint", "time": time.time(), "error": str(e)})
         self.data.take()
-        self.history.data = self.data.report()
-        self.catch_up()
-        if self.history.initial_eval_loss is None:
-            self.history.initial_eval_loss = self._eval()
-            self.last_eval = (self.diloco.round, self.history.initial_eval_loss)
-            log.info("round %d: eval loss %.4f (before training)", self.diloco.round, self.history.initial_eval_loss)
+        self.progress.history.data = self.data.report()
+        self.state.catch_up()
+        if self.progress.history.initial_eval_loss is None:
+            self.progress.history.initial_eval_loss = self._eval()
+            self.last_eval = (self.diloco.round, self.progress.history.initial_eval_loss)
+            log.info("round %d: eval loss %.4f (before training)", *self.last_eval)
 
-    def _train_round(self, progress: Optional[Callable[[int, int, float], None]]) -> None:
+    def _train_round(self, on_step: Optional[Callable[[int, int, float], None]]) -> None:
         """One round: H inner steps on this peer's shard with the exchanges the schedule puts between them, then
         the exchange of the last fragment, which closes the round. A straggler stops early once a faster peer
         waits to average, and contributes the steps it has (the average is weighted by samples)."""
@@ -187,15 +179,15 @@ class Trainer(TrainerState):
         if self.checkpointer is not None:
             self.checkpointer.wait_begun()  # it may still write the last round's AdamW moments: overhead
         inner_start, paused, losses, last_report = time.perf_counter(), 0.0, [], 0.0
-        while self.inner < cfg.inner_steps and self.diloco.round < cfg.rounds:
-            self._inject_faults(round, self.inner)
+        while self.progress.inner < cfg.inner_steps and self.diloco.round < cfg.rounds:
+            self._inject_faults(round, self.progress.inner)
             losses.append(self.inner_step())
-            if progress is not None:
-                progress(self.diloco.round, self.inner, losses[-1])
+            if on_step is not None:
+                on_step(self.diloco.round, self.progress.inner, losses[-1])
             if time.perf_counter() - last_report >= self.cfg.swarm.progress_interval:
                 last_report = time.perf_counter()
                 self._publish_progress(inner_start, losses, ready=self.exchange is not None)
-            paused += self._run_due(self.fragments.due(self.inner))  # may move self.inner: a state taken
+            paused += self._run_due(self.fragments.due(self.progress.inner))  # a state taken may move the position
             if self._stops_early(round):
                 break
         compute_s = time.perf_counter() - inner_start - paused
@@ -203,7 +195,7 @@ class Trainer(TrainerState):
             self._settle()
         if self.diloco.round >= cfg.rounds:  # a state taken meanwhile ended the run
             return
-        self.inner = 0  # the next round's, unless a state taken at the round's close says otherwise
+        self.progress.inner = 0  # the next round's, unless a state taken at the round's close says otherwise
         finite = all(map(math.isfinite, losses)) and self.diloco.pseudo_gradient().is_finite()
         if self.diloco.shards is not None:  # each rank sees its own rows: the peer's model is finite if all are
             finite = self.diloco.shards.all_true(finite)
@@ -231,7 +223,7 @@ class Trainer(TrainerState):
 
     def _stops_early(self, round: int) -> bool:
         """A straggler's round ends here: peers wait to average, and every mid-round exchange has landed."""
-        done, cfg = self.inner, self.cfg.diloco
+        done, cfg = self.progress.inner, self.cfg.diloco
         if done >= cfg.inner_steps or self.exchange is not None or not self.fragments.may_stop_early(done):
             return False
         if not self.ranks.share(self.averager.others_ready(self.diloco.outer_steps)):
@@ -245,9 +237,9 @@ class Trainer(TrainerState):
         blocking one writes the AdamW moments of a due checkpoint to disk while it averages)."""
         closes, delayed = fragment is self.fragments.last, self.cfg.diloco.delay > 0
         if closes and not delayed and self._checkpoint_due():
-            self.checkpointer.begin(self._checkpoint_parts()[0])
-        self.exchange = Exchange(fragment, self.averager, self.samples[fragment.index],
-                                 self.error_feedback if closes else None, delayed)
+            self.checkpointer.begin(self.state.checkpoint_parts()[0])
+        self.exchange = Exchange(fragment, self.averager, self.progress.samples[fragment.index],
+                                 self.progress.error_feedback if closes else None, delayed)
         if closes and self.cfg.logging.dump_tensors and self.ranks.endpoint:
             self.closing.dump = round_inputs(self.exchange.pseudo_grad, self.exchange.samples, self.diloco)
 
@@ -267,25 +259,25 @@ class Trainer(TrainerState):
         if checkpoint and not committed and not exchange.delayed:
             self.checkpointer.abort()
         if committed:
-            self._settle_checkpoint()
+            self.state.settle_checkpoint()
             exchange.land(outcome.averaged)
-            self.samples[fragment.index] -= exchange.samples  # what the inner steps since its start add stays
+            self.progress.samples[fragment.index] -= exchange.samples  # what the inner steps since its start add stays
             if closes:
-                self.error_feedback = outcome.residual if self.cfg.swarm.error_feedback else None
+                self.progress.error_feedback = outcome.residual if self.cfg.swarm.error_feedback else None
         else:
             exchange.drop()
         if not committed and outcome.behind:
             log.warning("%s: %s", where, outcome.note)
-            self.catch_up(outcome.donors or None)
+            self.state.catch_up(outcome.donors or None)
         elif not committed:
             log.warning("%s: exchange discarded (%s): keeping local progress for the next one", where, outcome.note)
             if not closes:
-                self.history.events.append({"event": "fragment_discarded", "time": time.time(), "round":
+                self.progress.history.events.append({"event": "fragment_discarded", "time": time.time(), "round":
                                             self.diloco.round, "fragment": fragment.index, "note": outcome.note})
         if closes:
             self._close_round(exchange, outcome, checkpoint, settle_start)
         elif committed:
-            self.serve_state()
+            self.state.serve_state()
         return committed or not outcome.behind
 
     def _checkpoint_due(self) -> bool:
@@ -298,27 +290,29 @@ class Trainer(TrainerState):
         round = self.diloco.round + 1
         log.warning("round %d: the local model is not finite (last loss %s): taking the swarm's state",
                     round, losses[-1] if losses else "-")
-        self.averager.publish_progress(self.diloco.outer_steps, self.step, 0, 0.0, ready=False,
+        self.averager.publish_progress(self.diloco.outer_steps, self.progress.step, 0, 0.0, ready=False,
                                        sha256=self.diloco.global_sha256())
-        self.history.events.append({"event": "non_finite_model", "time": time.time(), "round": self.diloco.round})
+        self.progress.history.events.append({"event": "non_finite_model", "time": time.time(),
+                                             "round": self.diloco.round})
         self.non_finite_tries += 1
         if self.non_finite_tries > NON_FINITE_TRIES:
-            donors = [e["donor"] for e in self.history.events if e["event"] == "state_downloaded"]
+            donors = [e["donor"] for e in self.progress.history.events if e["event"] == "state_downloaded"]
             raise SwarmError(f"round {round}: the local model went non-finite {self.non_finite_tries} times in a row, "
                              f"the last after taking the state of {donors[-1] if donors else 'no peer'}")
         try:
-            self.catch_up(must=True)
+            self.state.catch_up(must=True)
         except SwarmError as e:
             raise SwarmError(f"round {round}: the local model is not finite and {e}") from e
 
     def _publish_progress(self, start: float, losses: list[float], ready: bool = False) -> None:
         samples_per_s = len(losses) * self.cfg.data.batch_size / max(1e-9, time.perf_counter() - start)
-        self.averager.publish_progress(self.diloco.outer_steps, self.step, self.samples[-1], samples_per_s,
-                                       ready, self.diloco.global_sha256(), self._stats(losses[-1], samples_per_s))
+        self.averager.publish_progress(self.diloco.outer_steps, self.progress.step, self.progress.samples[-1],
+                                       samples_per_s, ready, self.diloco.global_sha256(),
+                                       self._stats(losses[-1], samples_per_s))
 
     def _stats(self, loss: Optional[float], samples_per_s: float) -> PeerStats:
         """What watchers see (`swarm monitor`): the last loss and speed, all-reduce bytes so far, the last eval."""
-        rounds, (eval_round, eval_loss) = self.history.rounds, self.last_eval or (None, None)
+        rounds, (eval_round, eval_loss) = self.progress.history.rounds, self.last_eval or (None, None)
         return PeerStats(loss, samples_per_s * self.cfg.data.seq_len, sum(r.bytes_sent for r in rounds),
                          sum(r.bytes_received for r in rounds), eval_loss, eval_round)
 
@@ -330,7 +324,7 @@ class Trainer(TrainerState):
             return
         log.warning("holding before round %d while %s exists (faults.hold_round)", round, faults.hold_file)
         if round > 0:
-            self.averager.publish_progress(self.diloco.outer_steps, self.step, self.samples[-1], 0.0,
+            self.averager.publish_progress(self.diloco.outer_steps, self.progress.step, self.progress.samples[-1], 0.0,
                                            sha256=self.diloco.global_sha256())
         while os.path.exists(faults.hold_file):
             time.sleep(0.2)
@@ -348,7 +342,7 @@ class Trainer(TrainerState):
             log.warning("fault injection: killing this peer (SIGKILL) in round %d", round)
             os.kill(os.getpid(), signal.SIGKILL)
         if faults.nan_round == round and halfway and not any(
-                e["event"] == "non_finite_model" for e in self.history.events):  # once
+                e["event"] == "non_finite_model" for e in self.progress.history.events):  # once
             log.warning("fault injection: the local model turns NaN in round %d", round)
             with torch.no_grad():
                 self.diloco.params[0].fill_(float("nan"))
@@ -390,17 +384,17 @@ class Trainer(TrainerState):
             start_time=time.time() - (time.perf_counter() - facts.start),
         )
         self.cost = ExchangeCost()
-        self.history.rounds.append(record)
+        self.progress.history.rounds.append(record)
         if committed:
             self.non_finite_tries = 0
         if checkpoint and committed:  # the rest goes to disk while the next round's inner steps run
-            inner, rest, meta = self._checkpoint_parts()
+            inner, rest, meta = self.state.checkpoint_parts()
             if exchange.delayed:  # mid-round: the moments must be on disk before the next inner step
                 self.checkpointer.begin(inner)
                 self.checkpointer.wait_begun()
             self.checkpointer.commit(rest, meta)
         if committed:
-            self.serve_state()
+            self.state.serve_state()
         if exchange.delayed:  # the snapshot and launch of the exchange, then this close
             record.overhead_s = exchange.launch_s + time.perf_counter() - close_start
         else:
@@ -411,8 +405,8 @@ class Trainer(TrainerState):
                      "-" if eval_loss is None else f"{eval_loss:.4f}", outcome.group_size, record.tokens_per_s,
                      record.compute_s, outcome.comm_s, record.overhead_s, record.global_sha256[:12])
         if self.metrics is not None:
-            self.metrics.round(record, self.step)
+            self.metrics.round(record, self.progress.step)
         if facts.dump is not None:
-            dump_round(self.out_dir / "tensors", len(self.history.rounds), record, facts.dump, self.diloco)
+            dump_round(self.out_dir / "tensors", len(self.progress.history.rounds), record, facts.dump, self.diloco)
         if self.on_round is not None:
             self.on_round(record)

@@ -1,5 +1,10 @@
 """How a trainer's state leaves it and enters it: the snapshot it serves, a downloaded state taken in, its
-checkpoint written and resumed, and catching up with the swarm (a `Trainer` mixin, swarm/train/trainer.py).
+checkpoint written and resumed, and catching up with the swarm.
+
+The trainer (swarm/train/trainer.py) owns the pieces: `Parts`, what its state lives in (the model, DiLoCo's
+global parameters and momentum, the inner optimizer, ...), and `Progress`, how far its own training went beyond
+the counters DiLoCo keeps. A `StateKeeper` is given both, and a way to move the trainer to a position; it reads
+and writes nothing else of the trainer.
 """
 
 from __future__ import annotations
@@ -8,9 +13,10 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -22,7 +28,7 @@ from swarm.state.peerstate import Position, StateNames, TensorSpec
 from swarm.state.statehash import covers
 from swarm.tensors import dtype_of
 from swarm.train.averaging import Intake, Snapshot
-from swarm.train.history import history_from_dict, history_to_dict
+from swarm.train.history import PeerHistory, history_from_dict, history_to_dict
 
 if TYPE_CHECKING:
     from swarm.config import Config
@@ -31,32 +37,58 @@ if TYPE_CHECKING:
     from swarm.train.averaging import Averager
     from swarm.train.diloco import DiLoCo
     from swarm.train.fragments import Fragments
-    from swarm.train.history import PeerHistory
     from swarm.train.ranks import Ranks
 
 log = logging.getLogger("swarm.trainer")
 FINISH_TRIES = 3  # states taken at the end of a run before it gives up on settling on one hash
 
 
-class TrainerState:
-    # set by Trainer.__init__
+@dataclass(frozen=True)
+class Parts:
+    """What a peer's state lives in and travels through, built once by the trainer."""
+
     cfg: Config
-    averager: Averager
-    checkpointer: Checkpointer
-    diloco: DiLoCo
+    model: torch.nn.Module
+    diloco: DiLoCo  # the global parameters, outer momentum, rounds closed and outer steps
     fragments: Fragments
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer  # the inner AdamW
     ranks: Ranks
-    history: PeerHistory
-    step: int
-    samples: list[int]
+    averager: Averager
     corpus: Corpus
     data: PeerData
-    inner: int
-    error_feedback: Optional[list[torch.Tensor]]
-    model: torch.nn.Module
     out_dir: Path
-    _taken: Optional[shard_state.Whole] = None  # a sharded peer: the state rank 0 took, until its ranks share it
+
+
+@dataclass
+class Progress:
+    """How far this peer's own training went, beyond the counters DiLoCo keeps: what the loop moves, a checkpoint
+    records, a resume restores and a taken state resets."""
+
+    history: PeerHistory
+    samples: list[int]  # per fragment: the samples its next pseudo-gradient covers
+    step: int = 0  # inner steps done by this peer: the schedule position and the data position
+    inner: int = 0  # inner steps done in the current round
+    # swarm.error_feedback: what quantization dropped from this peer's last committed contribution, added to its
+    # next pseudo-gradient. Per peer: in its checkpoint, never in the state served to newcomers.
+    error_feedback: Optional[list[torch.Tensor]] = None
+
+
+class StateKeeper:
+    """A trainer's state in and out (see the module's docstring). `set_position` moves the trainer to a position
+    (its learning-rate schedule follows); the keeper calls it when a state is taken or resumed."""
+
+    def __init__(self, parts: Parts, progress: Progress, set_position: Callable[[Position], None]):
+        self.progress, self._set_position = progress, set_position
+        self.cfg, self.model, self.diloco, self.fragments, self.optimizer = (
+            parts.cfg, parts.model, parts.diloco, parts.fragments, parts.optimizer)
+        self.ranks, self.averager, self.corpus, self.data, self.out_dir = (
+            parts.ranks, parts.averager, parts.corpus, parts.data, parts.out_dir)
+        self._taken: Optional[shard_state.Whole] = None  # a sharded peer: the state rank 0 took, until shared
+        self.checkpointer = self._make_checkpointer()
+
+    @property
+    def position(self) -> Position:
+        return Position(self.diloco.round, self.progress.step, self.diloco.outer_steps, self.progress.inner)
 
     @cached_property
     def served(self) -> shard_state.Served:
@@ -82,11 +114,14 @@ class TrainerState:
         """What this peer now holds, to serve: the global parameters and outer momentum under the state's hash
         (swarm/state/statehash.py), never its AdamW moments; also recorded as where it stands (summary.json)."""
         sha = self.diloco.global_sha256()
-        self.history.final_round, self.history.final_global_sha256 = self.diloco.round, sha
+        history = self.progress.history
+        history.final_round, history.final_global_sha256 = self.diloco.round, sha
         # With fragments a state is taken mid-round too: its taker goes on from the same inner step of the round
         # (swarm/train/fragments.py); with one fragment a taker starts the round, and cuts it short to meet the others.
         # `step` is for the record only: a taker does not take it (intake).
-        meta = {"round": self.diloco.round, "step": self.step, "inner": self.inner if self.fragments.streaming else 0}
+        progress = self.progress
+        meta = {"round": self.diloco.round, "step": progress.step,
+                "inner": progress.inner if self.fragments.streaming else 0}
         if self.diloco.shards is not None:  # every rank: gathered into rank 0's copy (swarm/state/shard_state.py)
             served = self.served
             return Snapshot(self.diloco.outer_steps, sha, meta, served.refresh(self.diloco, self.diloco.shards) or {},
@@ -113,7 +148,7 @@ class TrainerState:
                 raise ValueError(f"state position round={round!r} inner={inner!r} at {outer_steps} outer steps "
                                  f"is not a position of this run")
             self._set_position(Position(round, round * steps + inner, outer_steps, inner))
-            self.error_feedback = None  # it belonged to the local progress we just dropped
+            self.progress.error_feedback = None  # it belonged to the local progress we just dropped
             self.diloco.sync_local()
             self._taken = incoming[0] if incoming else None  # a sharded peer's ranks take their rows of it next
 
@@ -130,7 +165,7 @@ class TrainerState:
             return incoming[0].tensors
         return Intake(destinations, accept)
 
-    def _checkpoint_parts(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
+    def checkpoint_parts(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
         """(tensors the next inner step changes, the rest, meta) of this peer's checkpoint, by state_dict name."""
         if self.diloco.shards is None:
             shared = peer_state.shared_tensors(self.diloco, self.optimizer)
@@ -139,7 +174,7 @@ class TrainerState:
             if not self.ranks.endpoint:
                 shared = {k: t for k, t in shared.items() if shard_state.placement(self.diloco, k) is not None}
         if self.ranks.endpoint:
-            for i, e in enumerate(self.error_feedback or []):
+            for i, e in enumerate(self.progress.error_feedback or []):
                 shared[f"error_feedback.{i}"] = e
             shared["rng"] = torch.get_rng_state()
         named = {self.names.named(k): t for k, t in shared.items()}
@@ -147,13 +182,13 @@ class TrainerState:
         rest = {k: t for k, t in named.items() if k not in inner}
         # With diloco.delay or fragments the local model runs ahead of the committed state; a checkpoint holds
         # the committed state only, so a resumed peer restarts its local model from it and counts no samples yet.
-        samples = 0 if self.cfg.diloco.delay or self.fragments.streaming else self.samples[-1]
-        meta = {"round": self.diloco.round, "step": self.step, "outer_steps": self.diloco.outer_steps,
-                "samples_since_commit": samples, "history": history_to_dict(self.history), **self.run_meta,
+        samples = 0 if self.cfg.diloco.delay or self.fragments.streaming else self.progress.samples[-1]
+        meta = {"round": self.diloco.round, "step": self.progress.step, "outer_steps": self.diloco.outer_steps,
+                "samples_since_commit": samples, "history": history_to_dict(self.progress.history), **self.run_meta,
                 "data": self.data.state()}
         return inner, rest, meta
 
-    def make_checkpointer(self, out_dir: Path) -> Optional[Checkpointer]:
+    def _make_checkpointer(self) -> Optional[Checkpointer]:
         """This peer's checkpoints (`checkpoint.dir`, default <out>/checkpoint; a peer's rank 0 writes them, each
         rank of a sharded peer its part), None with `checkpoint.every: 0`."""
         if self.cfg.checkpoint.every <= 0:
@@ -161,19 +196,19 @@ class TrainerState:
         if self.diloco.shards is not None:  # every rank writes its rows
             from swarm.state.shard_checkpoint import ShardCheckpointer
 
-            return ShardCheckpointer(self.cfg.checkpoint.dir or out_dir / "checkpoint", self.cfg.checkpoint.keep,
+            return ShardCheckpointer(self.cfg.checkpoint.dir or self.out_dir / "checkpoint", self.cfg.checkpoint.keep,
                                      self.ranks.rank, self.ranks.world_size, self.ranks.share(os.getpid()),
                                      lambda name: shard_state.placement(self.diloco, self.names.positional(name)))
         if not self.ranks.endpoint:
             return None
-        return Checkpointer(self.cfg.checkpoint.dir or out_dir / "checkpoint", self.cfg.checkpoint.keep)
+        return Checkpointer(self.cfg.checkpoint.dir or self.out_dir / "checkpoint", self.cfg.checkpoint.keep)
 
     def save_checkpoint(self) -> None:
         if self.checkpointer is not None:
-            inner, rest, meta = self._checkpoint_parts()
+            inner, rest, meta = self.checkpoint_parts()
             self.checkpointer.save({**inner, **rest}, meta)
 
-    def _settle_checkpoint(self) -> None:
+    def settle_checkpoint(self) -> None:
         """Before the global parameters or outer momentum change: the checkpoint being written still reads them."""
         if self.checkpointer is not None:
             self.checkpointer.wait()
@@ -203,14 +238,14 @@ class TrainerState:
             meta = self._load_checkpoint(destinations)
         self._set_position(Position.at_round(meta["round"], meta["step"], meta.get("outer_steps")))
         self.data.restore(meta.get("data", {}), meta["step"])  # its shard and position: taken up in _join
-        self.samples[-1] = meta["samples_since_commit"]
+        self.progress.samples[-1] = meta["samples_since_commit"]
         self.diloco.sync_local()
-        self.history = history_from_dict(meta["history"])
+        self.progress.history = history_from_dict(meta["history"])
         torch.set_rng_state(extras["rng"])
         feedback = sorted((k for k in extras if k.startswith("error_feedback.")), key=lambda k: int(k.split(".")[1]))
-        self.error_feedback = [extras[k] for k in feedback] or None
+        self.progress.error_feedback = [extras[k] for k in feedback] or None
         log.info("resumed from %s at round %d (inner step %d)", self.checkpointer.last_read, self.diloco.round,
-                 self.step)
+                 self.progress.step)
         return True
 
     def _load_checkpoint(self, destinations) -> dict[str, Any]:
@@ -234,17 +269,17 @@ class TrainerState:
     def catch_up(self, donors: Optional[list[str]] = None, must: bool = False) -> bool:
         """Take the swarm's state if it is ahead of ours (from `donors` if given; any state with `must`)."""
         before, sha = self.diloco.round, self.diloco.global_sha256()
-        self._settle_checkpoint()
+        self.settle_checkpoint()
         with self.diloco.changing():
             got = self.ranks.answer(lambda: self.averager.fetch_state(self.intake(), self.diloco.outer_steps, sha,
                                                                       donors, must))
-            self._share_state()
+            self.share_state()
         if got is not None:
             log.info("took the state of round %d from %s (%.0f MB in %.1f s; this peer was at round %d)",
                      self.diloco.round, got.donor, got.bytes / 1e6, got.seconds, before)
-            self.history.events.append({"event": "state_downloaded", "time": time.time(), "from_round": before,
-                                        "to_round": self.diloco.round, "donor": got.donor, "bytes": got.bytes,
-                                        "seconds": got.seconds})
+            self.progress.history.events.append({
+                "event": "state_downloaded", "time": time.time(), "from_round": before, "to_round": self.diloco.round,
+                "donor": got.donor, "bytes": got.bytes, "seconds": got.seconds})
         self.serve_state()
         return got is not None
 
@@ -259,12 +294,12 @@ class TrainerState:
                 return
             if self.catch_up(donors):
                 self.save_checkpoint()
-                self.history.events.append({"event": "end_agreed", "time": time.time(), "from_sha256": sha,
-                                            "to_sha256": self.diloco.global_sha256()})
+                self.progress.history.events.append({"event": "end_agreed", "time": time.time(), "from_sha256": sha,
+                                                     "to_sha256": self.diloco.global_sha256()})
         raise SwarmError(f"the end of the run did not settle on one hash after {FINISH_TRIES} states taken "
                          f"(last held: {self.diloco.global_sha256()[:12]})")
 
-    def _share_state(self) -> None:
+    def share_state(self) -> None:
         """A multi-process peer: every rank takes rank 0's state (resumed, downloaded, or its own). A sharded peer's
         ranks take their rows of a state rank 0 downloaded (swarm/state/shard_state.py), and its position."""
         shards = self.diloco.shards
