@@ -81,9 +81,10 @@ def dry_run(cfg: Config, out: Path, networked: bool, run: Optional[RunIdentity] 
     from peers.prepare import check_prepared
     from swarm.data.batches import load_corpus
     from swarm.run.metrics import check_available
-    from swarm.train.ranks import check_batch
+    from swarm.train.ranks import check_batch, check_rows
 
     check_batch(cfg, nproc)
+    check_rows(cfg, nproc)
     _writable(out, "--out")
     check_available(cfg)
     if cfg.model.vocab_size is not None:  # the plan first, on any machine and before the data is there

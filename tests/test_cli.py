@@ -223,6 +223,18 @@ def test_dry_run_prints_the_memory_plan_per_rank_even_where_it_cannot_run(run, t
     assert eight_bit.returncode == 0 and "AdamW moments (8-bit)" in eight_bit.stdout
 
 
+def test_more_ranks_than_rows_of_a_sharded_tensor_exit_2_naming_it_before_anything_is_built(run, tmp_path):
+    """`inner.parallel: fsdp` cuts every tensor by rows (swarm/train/sharding.py): 96 ranks of a model whose
+    hidden size is 64 would leave ranks without a row of the final norm. Refused, naming it, before the plan."""
+    argv = ["--config", "configs/tiny.yaml", "--inner.parallel", "fsdp", "--data.batch_size", "96",
+            "--diloco.device", "cpu", "--dry-run", "--out", str(tmp_path / "out")]
+    result = run("peer", *argv, "--nproc-per-node", "96", "--model.hidden_size", "64", "--model.num_kv_heads", "2")
+    assert result.returncode == 2 and "memory per rank" not in result.stdout
+    assert "--nproc-per-node 96 exceeds the 32 rows of model.layers.0.self_attn.k_proj.weight" in result.stderr
+    result = run("peer", *argv, "--nproc-per-node", "96", "--model.hidden_size", "64")
+    assert result.returncode == 2 and "exceeds the 64 rows of model.norm.weight (model.hidden_size)" in result.stderr
+
+
 @pytest.mark.timeout(120)
 def test_sim_takes_dry_run_and_fresh_as_the_other_training_commands_do(run, tmp_path):
     """`swarm sim` had neither: --dry-run checks and trains nothing; run again on the same --out it resumes its

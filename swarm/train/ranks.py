@@ -202,6 +202,7 @@ SINGLE = Ranks()
 def check(cfg: Config, nproc: int) -> None:
     """UsageError (exit 2) naming the key if `nproc` ranks cannot train `cfg` here."""
     check_batch(cfg, nproc)
+    check_rows(cfg, nproc)
     check_devices(cfg, nproc)
 
 
@@ -213,6 +214,22 @@ def check_batch(cfg: Config, nproc: int) -> None:
     if cfg.data.batch_size % (nproc * (micro or 1)):
         by = f"inner.micro_batch_size {micro} x --nproc-per-node {nproc}" if micro else f"--nproc-per-node {nproc}"
         raise UsageError(f"data.batch_size {cfg.data.batch_size} is not divisible by {by}")
+
+
+def check_rows(cfg: Config, nproc: int) -> None:
+    """UsageError naming the tensor if `inner.parallel: fsdp` would leave a rank without a row of the smallest
+    tensor it shards (rows of dim 0, swarm/train/sharding.py): before any rank allocates. The model's shapes come
+    from `model` (a `model.pretrained` folder's are read when it loads)."""
+    m = cfg.model
+    if cfg.inner.parallel != "fsdp" or nproc <= 1 or m.pretrained is not None:
+        return
+    kv_rows = (m.num_kv_heads or m.num_heads) * (m.hidden_size // m.num_heads)
+    rows, name = min((m.hidden_size, "model.norm.weight (model.hidden_size)"),
+                     (kv_rows, "model.layers.0.self_attn.k_proj.weight (model.num_kv_heads x head size)"),
+                     key=lambda item: item[0])
+    if nproc > rows:
+        raise UsageError(f"--nproc-per-node {nproc} exceeds the {rows} rows of {name}, the smallest tensor "
+                         f"inner.parallel fsdp shards by rows: at most {rows} ranks")
 
 
 def check_devices(cfg: Config, nproc: int) -> None:
