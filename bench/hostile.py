@@ -4,7 +4,7 @@ the honest peers commit every round on one hash, how many samples they averaged 
 unattacked run's), their final eval loss (vs the unattacked run's), and what caught the attacker (the honest
 peers' summary events that name it; for an attack on newcomers, whether the newcomer joined).
 
-Every attack in `swarm.net.attacks.ATTACKS` is a row (another helper's attacks become rows once they are
+Every attack in `swarm.config.ATTACKS` is a row (another helper's attacks become rows once they are
 there), plus the VARIANTS (an attack under other settings). `--quick` runs QUICK only.
 
 Targets (issue: strangers in the swarm): every round committed on one hash, >= 90% of the samples per round,
@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 from bench.common import REPO, md_table, spawn, stamp, stop
-from swarm.config import SwarmConfig
-from swarm.net.attacks import ATTACKS
+from swarm.config import ATTACKS, SwarmConfig
 
 PEERS, ATTACKER = 4, 3
 RUN = ["--rounds", "4", "--diloco.inner_steps", "30", "--diloco.delay", "0",  # blocking, as in the committed table

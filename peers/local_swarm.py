@@ -29,9 +29,8 @@ from typing import Optional
 
 from peers.children import Child, bootstrap_maddr, spawn_child, stop_children
 from peers.forkserver import ForkServer
-from swarm.config import Config
+from swarm.config import ATTACKS, Config
 from swarm.errors import SwarmError, UsageError, stop_on
-from swarm.net.attacks import ATTACKS
 from swarm.run.report import format_table, write_summary
 
 

@@ -17,7 +17,7 @@ Identity and trust
 - `work.py`: proof of work on a key (`swarm.identity_work`): what makes an identity, and so a vote, cost something.
 - `schema.py`: every DHT key and record `swarm` stores, and reading them back as their signers wrote them.
 - `access.py`: who may take part (the run's allowlist), offenses and bans.
-- `attacks.py`, `hostile.py`: the hostile-peer suite (named attacks; the `Hooks` the protocol calls);
+- `hostile.py`: the hostile-peer suite (the attacks named in swarm/config.py ATTACKS; the `Hooks` the protocol calls);
   `sybil.py`: records in the names of many minted identities (the `sybil` attack, and tests).
 - `manifest.py`: a run's manifest and the run index (`swarm join`, `swarm runs`).
 

@@ -24,8 +24,8 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
+from swarm.config import ATTACKS
 from swarm.net.allreduce.hooks import AllReduceHooks
-from swarm.net.attacks import ATTACKS
 from swarm.net.wire import CONTROL_BYTES, HEADER, Channel, Kind, WireError
 
 logger = logging.getLogger(__name__)

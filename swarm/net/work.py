@@ -30,9 +30,10 @@ import os
 import time
 from typing import Optional
 
+from swarm.config import MAX_IDENTITY_WORK
+
 logger = logging.getLogger(__name__)
 
-MAX_IDENTITY_WORK = 27
 RATE = 3.4e6  # hashes per second of one free core here (the ceiling above)
 NONCE_BYTES = 8
 

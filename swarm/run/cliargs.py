@@ -191,7 +191,7 @@ def parser() -> argparse.ArgumentParser:
                             "order), K or K:ddp or K:fsdp (that peer's inner.parallel), e.g. 1,2:fsdp,2:ddp")
     local.add_argument("--hostile", action="append", default=[], metavar="KIND@PEER",
                        help="peer PEER attacks the swarm (forge-progress, nan, huge, weight, bad-part, garbage-meta, "
-                            "poison-state, poison-momentum, flood, ...: swarm/net/attacks.py); repeatable")
+                            "poison-state, poison-momentum, flood, ...: swarm/config.py ATTACKS); repeatable")
     local.add_argument("--monitor-port", type=int, default=None, metavar="PORT",
                        help="port of the swarm's monitor page (default: 8470, or any free port if it is taken)")
     local.add_argument("--no-monitor", action="store_true", help="start no monitor")

@@ -15,9 +15,7 @@ from typing import Any, Literal
 
 import yaml
 
-from swarm.config import Config, ConfigError, live_window
-from swarm.net.attacks import ATTACKS
-from swarm.net.work import MAX_IDENTITY_WORK
+from swarm.config import ATTACKS, MAX_IDENTITY_WORK, Config, ConfigError, live_window
 
 _BYTES = "swarm.stall_timeout and swarm.min_bandwidth (time-outs now follow the bytes)"
 RETIRED = {"swarm.allreduce_timeout": _BYTES, "swarm.round_timeout": _BYTES, "swarm.state_timeout": _BYTES,
