@@ -3,12 +3,11 @@
 `averager.step(gather=meta)` on a 1-element tensor returns `{peer_id: meta}` in the same order on every
 member (the leader's order). The all-reduce of one float that follows is a cheap barrier, and a checked
 one: each member puts a random token in the tensor and in its meta, and the result must be the mean of
-the gathered tokens. hivemind reports an all-reduce that missed a member as a success ("Reducer:
-received 50.0% of input tensors"): a member whose groupmate had already left matchmaking (its step timed
-out as the leader closed the group) got such a phantom group, and then waited out a whole
-time-out for parts that never came. Now it retries at once, and tells its groupmates (`AllReduce.abandon`):
-those for whom the barrier did succeed drop the group at once too, instead of waiting for this peer's
-parts until they stall. The real all-reduce runs in allreduce/.
+the gathered tokens: hivemind reports an all-reduce that missed a member as a success ("Reducer:
+received 50.0% of input tensors"), which would leave a member whose groupmate already left matchmaking in a
+phantom group, waiting for parts that never come. A failed barrier retries at once and tells the groupmates
+(`AllReduce.abandon`): those for whom it did succeed drop the group at once too, instead of waiting for this
+peer's parts until they stall. The real all-reduce runs in allreduce/.
 
 Round tagging: the averager's group key is `{run_id}_{fingerprint}.0b{round as 32 bits}`.
 - the prefix makes peers of another run, or of this run with other model/run settings, never meet;

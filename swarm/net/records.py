@@ -104,8 +104,8 @@ class Records:
                          ready: bool = False, sha256: str = "", stats: Optional[PeerStats] = None,
                          wait: bool = False) -> None:
         """Returns at once: the heartbeat thread stores the record. The trainer calls this from inside its
-        inner steps, and a store waits for a DHT round trip: waiting for it there cost ~8% of the inner
-        steps' time on 20 Mbit/s links (py-spy of bench/utilization.py's peers). `wait`: store it on this
+        inner steps, and a store waits for a DHT round trip, which the inner steps must not wait for on a slow
+        link (bench/utilization.py measures what is left). `wait`: store it on this
         thread, returning once the DHT confirmed it (or after request_timeout), for announcements that
         others must see before this peer goes on (taking a state, finished)."""
         self._stats = stats or self._stats
@@ -173,8 +173,8 @@ class Records:
 
     def offer_state(self, snapshot: Snapshot, wait: bool = False) -> None:
         """Record the commit, then serve `snapshot`: a newcomer checks what it downloads against the commit
-        records. Returns at once, like publish_progress, unless `wait`: the heartbeat thread does both (the
-        trainer waiting for the DHT here cost ~2% of a 10-step round on 20 Mbit/s links). Our lineage and our
+        records. Returns at once, like publish_progress, unless `wait`: the heartbeat thread does both, so the
+        trainer never waits for the DHT here. Our lineage and our
         statement of the commit (`sign`) go to the ledger, for our records and our readings of others'."""
         signing, self._signing = self._signing, None
         statement = None

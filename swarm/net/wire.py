@@ -122,7 +122,7 @@ class Channel:
         self.traffic = traffic or Traffic()
         self.deadline: float | None = None  # loop time by which the next frame must be whole (`serve`: the first)
         self._partial = 0  # bytes of the frame being read so far
-        self._mid_frame = False  # a send ended (stalled, broken) between the pieces of its frame
+        self._mid_frame = False  # a send broke off (the stream failed) between the pieces of its frame
         self._reading = asyncio.Lock()  # asyncio allows one reader per stream: frames and `drain` take turns
         self._writing = asyncio.Lock()  # and frames go out one at a time
         self.peer_failed = False  # the peer sent FAIL: it closes once we do, so draining it waits for nothing
@@ -258,8 +258,8 @@ class Channel:
         """`fail`, then wait (at most min(stall, 5) s) for the peer to close, discarding what it still sends.
         For a handler that turns a stream away, with no other task reading it: closing at once resets the
         stream when bytes the peer wrote before reading our FAIL (its HELLO, its chunks) arrive after the
-        close, and a reset loses the FAIL in flight, so the peer saw "closed the stream" instead of the
-        reason (a refused stranger in tests/net/test_trust.py, 3 runs in 15)."""
+        close, and a reset loses the FAIL in flight: the peer would see "closed the stream" instead of the
+        reason."""
         await self.fail(reason, culprit)
         with contextlib.suppress(OSError, RuntimeError):
             if self.writer.can_write_eof():

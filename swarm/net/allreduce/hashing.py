@@ -2,8 +2,8 @@
 
 Every byte of a round is hashed at least twice (an owner's results, and each member's copy of them for the
 agreement: agree.py; each contribution chunk for the audit: audit.py), so the hash is on the exchange's
-critical path. BLAKE3 runs at ~7 GB/s on one core of the 2-core dev box (AVX2), BLAKE2b at ~0.95 GB/s: with
-BLAKE2b, hashing was ~39% of a 100M-parameter fp32 all-reduce's CPU (bench/results/README.md, §12).
+critical path: BLAKE3 is several times faster than BLAKE2b per core (the measurements: bench/results/README.md,
+section 12).
 """
 
 from __future__ import annotations
