@@ -20,7 +20,7 @@ from swarm.train import accounting
 from swarm.train.averaging import SoloAverager
 from swarm.train.diloco import DiLoCo
 from swarm.train.model import build_model, count_parameters
-from swarm.train.sharding import Layout, find_blocks, shard_model
+from swarm.train.sharding import Layout, find_blocks, shards_model
 from swarm.train.trainer import Trainer
 from tests.conftest import ROOT, tiny_config
 from tests.swarm_harness import SMALL
@@ -68,7 +68,7 @@ def test_models_without_blocks_to_shard_and_bad_configs_are_refused():
     with pytest.raises(UsageError, match="parameter head.weight is tied to a transformer block's"):
         find_blocks(Tied())
     # one rank: nothing to shard over, the same as no sharding
-    assert not shard_model(torch.nn.Sequential(), "fsdp", 1)
+    assert not shards_model("fsdp", 1) and not shards_model("ddp", 4) and shards_model("fsdp", 2)
     with pytest.raises(ConfigError, match="inner.optimizer adamw8bit cannot step the sharded parameters"):
         tiny_config(inner={"parallel": "fsdp", "optimizer": "adamw8bit"})
     with pytest.raises(ConfigError, match="inner.parallel: 'zero3' is not one of"):
@@ -191,8 +191,7 @@ def test_the_30b_recipe_is_its_accounting_on_the_meta_device():
     an unsharded one does not; at 1 Gbit/s its delayed fragments hide the exchange."""
     cfg = load_config(ROOT / "configs" / "llama-30b.yaml")
     shapes = accounting.shapes_of(cfg, 256)
-    with torch.device("meta"):
-        model = build_model(cfg.model, 256, cfg.data.tokenizer)
+    model = build_model(cfg.model, 256, cfg.data.tokenizer, "meta")
     blocks = find_blocks(model)
     assert count_parameters(model) == shapes.params and 32e9 < shapes.params < 33e9
     assert len(blocks) == 60 and max(count_parameters(b) for b in blocks) == shapes.block_params

@@ -93,16 +93,18 @@ def _config(meta: dict[str, Any], path: Optional[str], where: Path) -> Config:
 
 
 def model_of(meta: dict[str, Any], cfg: Config, vocab_size: int, where: Path) -> torch.nn.Module:
-    """The model a checkpoint's parameters fit: from its Hugging Face config, else from the run's config."""
+    """The model a checkpoint's parameters fit, on the meta device (shapes only): from its Hugging Face config, else
+    from the run's config."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf = meta.get("hf_config")
     if hf is None:
         from swarm.train.model import build_model
 
-        return build_model(cfg.model, vocab_size, cfg.data.tokenizer)
+        return build_model(cfg.model, vocab_size, cfg.data.tokenizer, "meta")
     try:
-        return AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf))
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf))
     except (ValueError, KeyError, TypeError) as e:
         raise UsageError(f"checkpoint {where} holds a model of type {hf.get('model_type')!r} that transformers "
                          f"cannot build as a causal LM: {str(e).splitlines()[0]}") from None

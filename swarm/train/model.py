@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
+import hashlib
+from typing import Callable, Optional
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from swarm.config import ModelConfig
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, tokenizer: str = "bytes") -> PreTrainedModel:
-    """A seeded random-init Llama (every peer of a run builds the same weights), or the model of a Hugging Face
-    folder (swarm/state/pretrained.py: its embedding must fit `tokenizer`'s `vocab_size`); fp32 either way (the
-    weights AdamW updates; `inner.precision: bf16` computes in bf16 under autocast)."""
+def build_model(cfg: ModelConfig, vocab_size: int, tokenizer: str = "bytes", device: str | torch.device = "cpu",
+                shard: Optional[Callable[[torch.nn.Module], None]] = None) -> PreTrainedModel:
+    """A seeded random-init Llama (every peer of a run builds the same weights: `init_weights`), or the model of a
+    Hugging Face folder (swarm/state/pretrained.py: its embedding must fit `tokenizer`'s `vocab_size`); fp32 either
+    way (the weights AdamW updates; `inner.precision: bf16` computes in bf16 under autocast), on `device`.
+
+    `shard` (FSDP2's `fully_shard` of a sharded peer, swarm/train/sharding.py) is applied before any weight
+    exists: the model is built on the meta device, sharded, and only then given memory, so each rank allocates
+    and initializes its own rows and nothing ever holds the whole model. A pretrained model is read whole first.
+    On the meta device: the shapes only."""
     if cfg.pretrained is not None:
         from swarm.state.pretrained import load
 
-        return load(cfg, vocab_size, tokenizer)
+        model = load(cfg, vocab_size, tokenizer).to(device)
+        if shard is not None:
+            shard(model)
+        return model
     config = LlamaConfig(
         vocab_size=cfg.vocab_size or vocab_size,
         hidden_size=cfg.hidden_size,
@@ -26,9 +38,48 @@ def build_model(cfg: ModelConfig, vocab_size: int, tokenizer: str = "bytes") -> 
         max_position_embeddings=cfg.max_seq_len,
         tie_word_embeddings=True,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        return LlamaForCausalLM(config)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    if shard is not None:
+        shard(model)
+    if torch.device(device).type == "meta":  # shapes only (accounting, tests)
+        return model
+    model.to_empty(device=device)
+    if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
+        model.tie_weights()  # to_empty gave each module a tensor of its own (FSDP2's keeps them one)
+    init_weights(model, cfg.seed, config.initializer_range)
+    return model
+
+
+@torch.no_grad()
+def init_weights(model: torch.nn.Module, seed: int, std: float) -> None:
+    """Every parameter drawn from a generator of its own, seeded by (`seed`, its name): normal(0, `std`), norms
+    1. A tensor's values never depend on the others' or on how the model is sharded: a sharded rank makes each
+    whole tensor in turn (one at a time, on the CPU) and keeps its rows, so K ranks hold the model one process
+    builds. The rotary embedding's tables (buffers, not parameters) are computed again on the model's device."""
+    for name, param in model.named_parameters():  # a tied weight once
+        whole = _initial(name, tuple(param.shape), seed, std)
+        if hasattr(param, "to_local"):  # an FSDP2 shard: rows of dim 0, torch.chunk's cut
+            mesh = param.device_mesh
+            chunks = torch.chunk(whole, mesh.size(), dim=0)
+            rank = mesh.get_local_rank()
+            whole = chunks[rank] if rank < len(chunks) else whole[:0]
+            param = param.to_local()
+        param.copy_(whole)
+    for name, module in model.named_modules():
+        if name.endswith("rotary_emb"):
+            fresh = type(module)(module.config)
+            for key, buffer in fresh.named_buffers(recurse=False):
+                getattr(module, key).copy_(buffer)
+
+
+def _initial(name: str, shape: tuple[int, ...], seed: int, std: float) -> torch.Tensor:
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    key = int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1
+    return torch.empty(shape).normal_(0.0, std, generator=torch.Generator().manual_seed(key))
 
 
 def count_parameters(model: torch.nn.Module) -> int:

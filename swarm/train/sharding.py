@@ -117,18 +117,20 @@ def find_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
     return blocks
 
 
-def shard_model(model: torch.nn.Module, parallel: str, world_size: int) -> bool:
-    """FSDP2 on `model` in place (each block, then the root) if `parallel` is fsdp over more than one rank; returns
-    whether it did. Call it before an optimizer or a `DiLoCo` is built on the model's parameters."""
-    if parallel != "fsdp" or world_size <= 1:
-        return False
+def shards_model(parallel: str, world_size: int) -> bool:
+    """Whether `inner.parallel` over `world_size` ranks shards the model: fsdp over more than one rank."""
+    return parallel == "fsdp" and world_size > 1
+
+
+def shard_model(model: torch.nn.Module) -> None:
+    """FSDP2 on `model` in place: each block, then the root. On the meta device (swarm/train/model.py), before
+    its weights exist; before an optimizer or a `DiLoCo` is built on its parameters."""
     from torch.distributed.fsdp import fully_shard
 
     return_freed_memory()
     for block in find_blocks(model):
         fully_shard(block)
     fully_shard(model)
-    return True
 
 
 def local_params(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -40,7 +40,7 @@ from swarm.train.inner import autocast, build_optimizer, evaluate, forward_backw
 from swarm.train.model import build_model, count_parameters
 from swarm.train.overlap import Exchange
 from swarm.train.ranks import SINGLE, Ranks
-from swarm.train.sharding import Shards, shard_model
+from swarm.train.sharding import Shards, shard_model, shards_model
 from swarm.train.trainer_state import Parts, Progress, StateKeeper
 
 log = logging.getLogger("swarm.trainer")
@@ -61,9 +61,11 @@ class Trainer:
         check_vocabulary(corpus.tokenizer, cfg.model.vocab_size, cfg.data)
         self.data = PeerData(corpus, cfg.data, name or peer_id, shard, cfg.swarm.run_id, ranks, leases)
         self.eval_batches = corpus.eval_batches(cfg.data)
-        self.model = build_model(cfg.model, corpus.tokenizer.vocab_size, cfg.data.tokenizer).to(self.device)
-        # inner.parallel fsdp over K > 1 ranks: FSDP2 shards the model, and DiLoCo holds this rank's rows only
-        sharded = shard_model(self.model, cfg.inner.parallel, ranks.world_size)
+        # inner.parallel fsdp over K > 1 ranks: FSDP2 shards the model before its weights exist, each rank makes
+        # its own rows only, and DiLoCo holds this rank's rows only
+        sharded = shards_model(cfg.inner.parallel, ranks.world_size)
+        self.model = build_model(cfg.model, corpus.tokenizer.vocab_size, cfg.data.tokenizer, self.device,
+                                 shard=shard_model if sharded else None)
         shards = Shards.of(self.model, ranks.rank, ranks.world_size, ranks.cpu_group, out_dir / "shards") \
             if sharded else None
         self.diloco = DiLoCo(self.model, cfg.outer, cfg.diloco.global_device, cfg.diloco.mix_alpha, shards)
