@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from peers.local_swarm import parse_ranks
 from swarm.config import ConfigError, shared_config
+from swarm.data.batches import build_tokenizer
 from swarm.errors import UsageError
 from swarm.run.configfile import load_config
 from swarm.state import shard_state
@@ -96,6 +97,26 @@ def test_two_fsdp_ranks_train_like_one_process(tmp_path, swarm_cmd):
     hashes = [json.loads(p.read_text())["global_sha256"] for p in sorted((out / "ranks").glob("rank-*.json"))]
     assert hashes == [peer["final_global_sha256"]] * 2
     assert not list((out / "shards").glob("exchange-*"))
+
+
+def test_a_sharded_warm_start_reads_each_rank_s_rows_and_trains_like_one_process(tmp_path, swarm_cmd):
+    """`model.pretrained` on K = 2 fsdp ranks: the model is built on the meta device from the folder's config,
+    sharded, and each rank keeps its rows of each tensor read from the safetensors (swarm/state/pretrained.py):
+    it trains as one process started from the same folder does (up to float rounding, as K = 2 does)."""
+    cfg = tiny_config(**SECTIONS)
+    folder = tmp_path / "model"
+    build_model(dataclasses.replace(cfg.model, seed=7), build_tokenizer(cfg.data).vocab_size).save_pretrained(folder)
+    assert list(folder.glob("*.safetensors"))
+    sections = {**SECTIONS, "model": {**SECTIONS["model"], "pretrained": str(folder)}}
+    one = Trainer(tiny_config(**sections), SoloAverager(), "solo", shard=0, out_dir=tmp_path / "one").train()
+    out = tmp_path / "two"
+    result = swarm_cmd("peer", "--config", "configs/tiny.yaml", "--solo", "--nproc-per-node", "2", "--out", str(out),
+                       "--inner.parallel", "fsdp", *overrides(SECTIONS), "--model.pretrained", str(folder),
+                       timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (peer,) = json.loads((out / "summary.json").read_text())["peers"]
+    assert peer["train_loss"] == pytest.approx([r.train_loss for r in one.rounds], abs=1e-5)
+    assert peer["eval_loss"] == pytest.approx([r.eval_loss for r in one.rounds], abs=1e-5)
 
 
 @pytest.mark.parametrize("spec, count, plan", [

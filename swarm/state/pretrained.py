@@ -119,19 +119,58 @@ def check(cfg: Config) -> None:
         check_folder(cfg.model.pretrained)
 
 
-def load(cfg: ModelConfig, vocab_size: int, tokenizer: str):
-    """The model of the folder `cfg.pretrained`, in fp32; UsageError if it does not load or if its embedding
-    does not fit `tokenizer`'s `vocab_size` tokens (as many rows, or up to PADDING more)."""
+def load(cfg: ModelConfig, vocab_size: int, tokenizer: str, device="cpu", shard=None):
+    """The model of the folder `cfg.pretrained`, in fp32, on `device`; UsageError if it does not load or if its
+    embedding does not fit `tokenizer`'s `vocab_size` tokens (as many rows, or up to PADDING more). `shard`
+    (swarm/train/model.py): with safetensors files, the model is built on the meta device and sharded first, then
+    each rank reads one tensor at a time and keeps its rows; other weight files (*.bin) are loaded whole, then
+    sharded."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = check_folder(cfg.pretrained)
+    files = sorted(folder.glob("*.safetensors"))
+    on_meta = shard is not None and bool(files)
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        if not on_meta:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device)
+        else:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
     except (OSError, ValueError, KeyError) as e:
         raise UsageError(f"cannot load model.pretrained {cfg.pretrained}: {str(e).splitlines()[0]}") from None
     rows = model.get_input_embeddings().num_embeddings
     if not vocab_size <= rows < vocab_size + PADDING:
         raise UsageError(f"model.pretrained {cfg.pretrained} has {rows} embedding rows and data.tokenizer "
                          f"{tokenizer!r} {vocab_size} tokens: they must agree (a tokenizer of that model)")
+    if shard is not None:
+        shard(model)
+    if on_meta:
+        _read_rows(model, files, cfg.pretrained, device)
     return model
+
+
+def _read_rows(model, files: list[Path], where: str, device) -> None:
+    """Each parameter of `model` (on the meta device, sharded) from the safetensors `files`, a tensor at a time,
+    cast to fp32: a rank keeps its rows of it."""
+    import torch
+    from safetensors import safe_open
+
+    from swarm.train.model import fill_rows, materialize
+
+    located = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            located.update({key: path for key in f.keys()})
+    materialize(model, device)
+
+    def whole(name: str, shape) -> torch.Tensor:
+        if name not in located:
+            raise UsageError(f"model.pretrained {where} holds no tensor {name}")
+        with safe_open(located[name], framework="pt") as f:
+            tensor = f.get_tensor(name)
+        if tuple(tensor.shape) != tuple(shape):
+            raise UsageError(f"model.pretrained {where}: tensor {name} is {tuple(tensor.shape)}, the model's "
+                             f"{tuple(shape)}")
+        return tensor.float()
+    fill_rows(model, whole)

@@ -19,15 +19,12 @@ def build_model(cfg: ModelConfig, vocab_size: int, tokenizer: str = "bytes", dev
 
     `shard` (FSDP2's `fully_shard` of a sharded peer, swarm/train/sharding.py) is applied before any weight
     exists: the model is built on the meta device, sharded, and only then given memory, so each rank allocates
-    and initializes its own rows and nothing ever holds the whole model. A pretrained model is read whole first.
-    On the meta device: the shapes only."""
+    and initializes (or reads, from a pretrained folder's safetensors) its own rows: nothing ever holds the whole
+    model. On the meta device: the shapes only."""
     if cfg.pretrained is not None:
         from swarm.state.pretrained import load
 
-        model = load(cfg, vocab_size, tokenizer).to(device)
-        if shard is not None:
-            shard(model)
-        return model
+        return load(cfg, vocab_size, tokenizer, device, shard)
     config = LlamaConfig(
         vocab_size=cfg.vocab_size or vocab_size,
         hidden_size=cfg.hidden_size,
@@ -44,33 +41,46 @@ def build_model(cfg: ModelConfig, vocab_size: int, tokenizer: str = "bytes", dev
         shard(model)
     if torch.device(device).type == "meta":  # shapes only (accounting, tests)
         return model
-    model.to_empty(device=device)
-    if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
-        model.tie_weights()  # to_empty gave each module a tensor of its own (FSDP2's keeps them one)
+    materialize(model, device)
     init_weights(model, cfg.seed, config.initializer_range)
     return model
 
 
+def materialize(model: PreTrainedModel, device: str | torch.device) -> None:
+    """Memory for a model built on the meta device (and maybe sharded), its values still to be written
+    (`fill_rows`); the rotary embedding's tables (buffers, not parameters) computed on `device`."""
+    model.to_empty(device=device)
+    if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
+        model.tie_weights()  # to_empty gave each module a tensor of its own (FSDP2's keeps them one)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("rotary_emb"):
+                fresh = type(module)(module.config)
+                for key, buffer in fresh.named_buffers(recurse=False):
+                    getattr(module, key).copy_(buffer)
+
+
 @torch.no_grad()
+def fill_rows(model: torch.nn.Module, whole: Callable[[str, torch.Size], torch.Tensor]) -> None:
+    """Every parameter (a tied one once) from `whole(name, shape)`, the whole tensor, made or read one at a time;
+    a rank of a sharded model keeps its rows of it (rows of dim 0, torch.chunk's cut, as FSDP2's)."""
+    for name, param in model.named_parameters():
+        values = whole(name, param.shape)
+        if hasattr(param, "to_local"):  # an FSDP2 shard
+            mesh = param.device_mesh
+            chunks = torch.chunk(values, mesh.size(), dim=0)
+            rank = mesh.get_local_rank()
+            values = chunks[rank] if rank < len(chunks) else values[:0]
+            param = param.to_local()
+        param.copy_(values)
+
+
 def init_weights(model: torch.nn.Module, seed: int, std: float) -> None:
     """Every parameter drawn from a generator of its own, seeded by (`seed`, its name): normal(0, `std`), norms
     1. A tensor's values never depend on the others' or on how the model is sharded: a sharded rank makes each
     whole tensor in turn (one at a time, on the CPU) and keeps its rows, so K ranks hold the model one process
-    builds. The rotary embedding's tables (buffers, not parameters) are computed again on the model's device."""
-    for name, param in model.named_parameters():  # a tied weight once
-        whole = _initial(name, tuple(param.shape), seed, std)
-        if hasattr(param, "to_local"):  # an FSDP2 shard: rows of dim 0, torch.chunk's cut
-            mesh = param.device_mesh
-            chunks = torch.chunk(whole, mesh.size(), dim=0)
-            rank = mesh.get_local_rank()
-            whole = chunks[rank] if rank < len(chunks) else whole[:0]
-            param = param.to_local()
-        param.copy_(whole)
-    for name, module in model.named_modules():
-        if name.endswith("rotary_emb"):
-            fresh = type(module)(module.config)
-            for key, buffer in fresh.named_buffers(recurse=False):
-                getattr(module, key).copy_(buffer)
+    builds."""
+    fill_rows(model, lambda name, shape: _initial(name, tuple(shape), seed, std))
 
 
 def _initial(name: str, shape: tuple[int, ...], seed: int, std: float) -> torch.Tensor:
