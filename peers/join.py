@@ -32,7 +32,7 @@ from swarm.net import policy, schema
 from swarm.net.manifest import ManifestRefused, choose_manifest, fetch_manifest
 from swarm.net.policy import run_fingerprint
 from swarm.net.schema import CommitRecord, IndexRecord, ManifestRecord, ProgressRecord, RunRecord
-from swarm.run.configfile import config_from_dict, load_config, parse_overrides
+from swarm.run.configfile import config_from_dict, deep_merge, load_config, parse_overrides
 from swarm.run.runid import RunIdentity
 
 log = logging.getLogger("swarm.join")
@@ -50,15 +50,6 @@ def _leaves(tree: dict[str, Any], prefix: str = "") -> list[str]:
         else:
             out.append(f"{prefix}{key}")
     return out
-
-
-def _merge(into: dict, other: dict) -> dict:
-    for key, value in other.items():
-        if isinstance(value, dict) and isinstance(into.get(key), dict):
-            _merge(into[key], value)
-        else:
-            into[key] = value
-    return into
 
 
 DEMANDS = frozenset({"swarm.identity_work"})
@@ -93,7 +84,7 @@ def joined_config(run_id: str, initial_peers: list[str], overrides: list[str]) -
     from swarm.net.dht import start_dht
 
     parsed = check_overrides(run_id, overrides)
-    _merge(parsed, {"swarm": {"initial_peers": list(initial_peers)}})
+    deep_merge(parsed, {"swarm": {"initial_peers": list(initial_peers)}})
     own = load_config(None, {"swarm": parsed["swarm"]}).swarm  # addresses and bootstrap_timeout, checked
     probe = probe_config(own, run_id)
     dht = start_dht(probe)
@@ -104,7 +95,7 @@ def joined_config(run_id: str, initial_peers: list[str], overrides: list[str]) -
     parsed["swarm"].pop("identity_work", None)  # a demand on the signers, not this peer's config: the run's holds
     log.info("run %r: manifest of fingerprint %s, created by %s, signed by %d peer(s)", run_id,
              choice.record.fingerprint, choice.record.creator, len(choice.signers))
-    return config_from_dict(_merge(json.loads(json.dumps(choice.shared)), parsed)), choice.run
+    return config_from_dict(deep_merge(json.loads(json.dumps(choice.shared)), parsed)), choice.run
 
 
 def write_config(cfg: Config, path: Path) -> Path:

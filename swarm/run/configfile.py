@@ -114,16 +114,18 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         if "." not in key:
             raise ConfigError(f"unknown config key {key!r}: overrides look like section.key")
         parsed = [yaml.safe_load(v) if v != "" else None for v in values]
-        _deep_merge(merged, _nest(key, parsed[0] if len(parsed) == 1 else parsed))
+        deep_merge(merged, _nest(key, parsed[0] if len(parsed) == 1 else parsed))
     return merged
 
 
-def _deep_merge(into: dict, other: dict) -> None:
+def deep_merge(into: dict, other: dict) -> dict:
+    """`other`'s keys into `into`, section by section (a nested dict merges, anything else replaces); `into`."""
     for k, v in other.items():
         if isinstance(v, dict) and isinstance(into.get(k), dict):
-            _deep_merge(into[k], v)
+            deep_merge(into[k], v)
         else:
             into[k] = v
+    return into
 
 
 def resolve(cfg: Config) -> None:

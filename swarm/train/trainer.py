@@ -83,10 +83,13 @@ class Trainer:
         self.non_finite_tries = 0  # states taken since the last committed round because the local model went bad
         self.state = StateKeeper(Parts(cfg, self.model, self.diloco, self.fragments, self.optimizer, ranks, averager,
                                        corpus, self.data, out_dir), self.progress, self._set_position)
-        self.checkpointer = self.state.checkpointer  # the trainer begins, commits and closes what the keeper writes
         self.metrics = Metrics(cfg, out_dir, peer_id) if ranks.endpoint else None  # metrics.csv, TensorBoard, W&B
         log.info("peer %s: %d parameters, data shard %s, %d rounds x %d inner steps", peer_id, count_parameters(
             self.model), "leased" if shard is None else shard, cfg.diloco.rounds, cfg.diloco.inner_steps)
+
+    @property
+    def checkpointer(self):  # the keeper's: the trainer begins, commits and closes the checkpoints it writes
+        return self.state.checkpointer
 
     @property
     def batches(self) -> Optional[TrainBatches]:  # the shard read now and the position there; None before training
