@@ -337,6 +337,8 @@ class SwarmAverager(Averager):
                     must = must or bool(written)
                     continue
                 self.records.ledger.record(got.round, self._holders(got.round, got.sha256))
+                # a groupmate from now on: peers matching for the next round wait for us rather than close it alone
+                self.publish_progress(got.round, 0, 0, 0.0, ready=False, sha256=got.sha256, wait=True)
                 logger.info(f"fetched the state of round {got.round} from {peer_id}: {got.bytes / 1e6:.0f} MB in "
                             f"{got.seconds:.1f} s ({got.bytes / 1e6 / max(got.seconds, 1e-9):.0f} MB/s)")
                 return got

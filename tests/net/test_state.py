@@ -17,6 +17,7 @@ from swarm.net.dht import start_dht
 from swarm.net.hostile import Hooks
 from swarm.net.identity import load_identity
 from swarm.net.peer import SwarmAverager
+from swarm.net.policy import Verdict
 from swarm.state.peerstate import destinations, served_tensors
 from swarm.train.averaging import Intake, Snapshot
 from swarm.train.diloco import DiLoCo, PseudoGradient
@@ -122,6 +123,19 @@ def test_a_newcomer_takes_the_committed_state_tensor_by_tensor(pair):
     assert list(mine) == ["global.0", "global.1", "momentum.0", "momentum.1"]
     assert list(mine) == list(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)
     assert all(torch.equal(p, g) for p, g in zip(newcomer.diloco.params, newcomer.diloco.global_params))
+
+
+@pytest.mark.timeout(60)
+def test_a_newcomer_that_took_the_state_is_a_groupmate_at_once(pair):
+    """Its record shows the round it took as soon as it holds it, before its first inner step: a peer matching
+    for the next round waits for it instead of closing that round alone (which would send the newcomer, a round
+    later, to download the state a second time)."""
+    donor, newcomer = pair
+    donor.train_rounds(2)
+    donor.publish()
+    assert newcomer.fetch().round == 2
+    position = donor.averager.records.assess(2, donor.diloco.global_sha256())
+    assert position.verdict is Verdict.AVERAGE and position.expected_group == 2, position.note
 
 
 def _download(newcomer: Peer, donor: Peer, check=lambda r, h: None) -> int:
