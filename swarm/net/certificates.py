@@ -72,11 +72,13 @@ def gather(statements: Iterable[tuple[str, Statement]]) -> dict[tuple[int, str],
 class Anchor:
     """What an observer grounds certificates on (ledger.py keeps it): the hash it held at each outer step it
     recorded (empty for a newcomer), and the keys it saw live at outer step 0 when it started there (the run's
-    founders, as the signers of outer step 0)."""
+    founders, as the signers of outer step 0); and the members of the groups it completed all-reduces with, which
+    policy.assess waits for while their records lag a step behind."""
 
     lineage: Mapping[int, str]
     founders: frozenset[str] = frozenset()
     credit: Mapping[str, int] = field(default_factory=dict)  # key -> last outer step it signed, grounded, as seen
+    groups: Mapping[int, frozenset[str]] = field(default_factory=dict)  # outer step -> the group it committed it with
 
 
 class Chains:

@@ -264,14 +264,18 @@ def assess(me: str, round: int, sha256: str, progress: Sequence[ProgressRecord],
     # of the count, it closed our groups one member short, leaving an honest peer out)
     # (claims no certificate backs, on another hash than ours, are nobody we wait for: free identities; but a hash
     # of our own lineage says where its holder is, whatever round its record claims: a claim one round ahead made
-    # between two commits, on the hash of the round before ours, is a groupmate a moment behind us)
+    # between two commits, on the hash of the round before ours, is a groupmate a moment behind us; so is a
+    # member of the group we committed our round with whose record still shows the round before, on our hash
+    # of it, although no certificate of its own backs that (it took that state instead of averaging it))
     ours = {} if anchor is None else {sha: s for s, sha in anchor.lineage.items()}
+    group = frozenset() if anchor is None else anchor.groups.get(round, frozenset())
 
     def waits_for(r: ProgressRecord) -> bool:
         if backed is None or r.sha256 in (sha256, "") or backed.counts(r.peer_id, r.round, r.sha256):
             return True
         at = ours.get(r.sha256)
-        return at is not None and round - 1 <= at <= round and backed.counts(r.peer_id, at, r.sha256)
+        return at is not None and round - 1 <= at <= round and (backed.counts(r.peer_id, at, r.sha256)
+                                                                or r.peer_id in group)
     expected = sum(1 for r in live if r.round in (round - 1, round, round + 1) and waits_for(r)) + unsure
     majority = committed.get(round, sha256)
     if majority != sha256:

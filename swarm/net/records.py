@@ -297,7 +297,7 @@ class Records:
 
     def anchor(self) -> Anchor:
         """What we ground certificates on (certificates.py): the hashes we held, the run's founders (ledger.py)."""
-        return Anchor(self.ledger.lineage, self.ledger.founders, self.ledger.credit)
+        return Anchor(self.ledger.lineage, self.ledger.founders, self.ledger.credit, self.ledger.steps)
 
     def others_ready(self, outer_step: int) -> bool:
         """Asked after every inner step; reads the DHT at most once per `progress_interval` (a fresh answer

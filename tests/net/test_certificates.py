@@ -112,6 +112,24 @@ def test_a_claim_ahead_on_the_hash_of_the_round_before_still_counts_for_the_grou
     assert position.expected_group == 3, position.note
 
 
+def test_a_groupmate_whose_record_lags_a_step_behind_on_a_state_it_took_is_waited_for():
+    """A joiner took our state of outer step 1 (no certificate of its own backs it there), averaged step 2 with us,
+    and its record still shows step 1 while it lands that commit: it is a groupmate a moment behind, waited for
+    (expected 2), where a fresh key showing the same is not (a lone peer that has averaged goes on alone). Missed,
+    a peer with 4 ranks closed the last round of a swarm alone and its slower 2-rank groupmate took the state
+    again (tests/test_sharding.py, under a loaded machine)."""
+    mine = [st(1, H[1], H[0], "", 1), st(2, H[2], H[1], "02", 2)]
+    done = {**commits([(ME, s) for s in mine]), "joiner": CommitRecord(name="joiner", round=1, sha256=H[1],
+                                                                       time=NOW - 5)}
+    records = [record(ME, 2, H[2], mine[-1]), record("joiner", 1, H[1])]
+    lineage = {s: H[s] for s in range(0, 3)}
+    position = assess(ME, 2, H[2], records, done, NOW, WINDOW,
+                      anchor=Anchor(lineage, frozenset({ME}), groups={2: frozenset({ME, "joiner"})}))
+    assert (position.verdict, position.expected_group) == (Verdict.ALONE, 2), position.note
+    position = assess(ME, 2, H[2], records, done, NOW, WINDOW, anchor=Anchor(lineage, frozenset({ME})))
+    assert (position.verdict, position.expected_group) == (Verdict.ALONE, 1), position.note
+
+
 def test_sybil_quorum_steers_no_newcomer():
     honest, sybils, done = sybil_quorum()
     newcomer = record("n", 0, "", serves=False)
