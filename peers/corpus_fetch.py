@@ -97,7 +97,7 @@ def _live_peers(dht, cfg: Config) -> list[str]:
     now = get_dht_time()
     live = [r for r in schema.read_owned(found, schema.ProgressRecord, now).values()
             if policy.is_live(r, now, live_window(cfg.swarm))]
-    return [r.peer_id for r in sorted(live, key=lambda r: (-r.round, r.peer_id))]
+    return [r.peer_id for r in sorted(live, key=lambda r: (-r.outer_step, r.peer_id))]
 
 
 async def _fetch(dht, donors: list[str], cfg: Config, run: RunIdentity, folder: Path, tokenizer) -> None:

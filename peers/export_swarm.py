@@ -99,6 +99,6 @@ def export_from_swarm(run_id: str, initial_peers: list[str], overrides: list[str
     if got is None:
         raise SwarmError(f"run {run_id!r} has committed no round yet: there is no model to export")
     round = taken["meta"].get("round")
-    log.info("took the state of round %s (%d outer steps) from %s: %.0f MB in %.1f s", round, got.round, got.donor,
+    log.info("took the state of round %s (%d outer steps) from %s: %.0f MB in %.1f s", round, got.outer_step, got.donor,
              got.bytes / 1e6, got.seconds)
     return write_hf(model, tokenizer, out, dtype, force), round

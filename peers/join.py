@@ -129,9 +129,10 @@ def describe_run(run_id: str, entries: dict[str, IndexRecord], progress: dict[st
     except ManifestRefused:
         window, manifest = live_window(SwarmConfig()), "refused" if manifests else "none"
     live = [r for r in progress.values() if policy.is_live(r, now, window)]
-    rounds = collections.Counter(r.round for r in live) or collections.Counter(c.round for c in commits.values())
+    steps = (collections.Counter(r.outer_step for r in live)
+             or collections.Counter(c.outer_step for c in commits.values()))
     params = collections.Counter(e.params for e in entries.values() if fingerprint in (None, e.fingerprint))
-    return RunRow(run_id, max(rounds, key=lambda r: (rounds[r], r)) if rounds else None, len(live),
+    return RunRow(run_id, max(steps, key=lambda s: (steps[s], s)) if steps else None, len(live),
                   max(params, key=lambda p: (params[p], p)) if params else None, fingerprint, manifest)
 
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from swarm.net.budget import round_deadline
+from swarm.net.budget import outer_step_deadline
 from swarm.run.configfile import load_config
 from swarm.state.checkpoint import Checkpointer
 from tests.conftest import ROOT
@@ -17,8 +17,8 @@ from tests.swarm_harness import SMALL, local_swarm
 pytestmark = pytest.mark.slow  # starts peers, DHTs or `swarm` processes (make test-fast leaves it out)
 
 # A round's deadline with SMALL's time-outs (matchmaking 3 s, requests 1 s, stall 5 s) for a tiny vector:
-# three attempts of 3 + 1 + 5 s (budget.round_deadline).
-ROUND_TIMEOUT = round_deadline(0, load_config(ROOT / "configs" / "tiny.yaml", SMALL).swarm)
+# three attempts of 3 + 1 + 5 s (budget.outer_step_deadline).
+ROUND_TIMEOUT = outer_step_deadline(0, load_config(ROOT / "configs" / "tiny.yaml", SMALL).swarm)
 SLACK = 30.0  # inner steps, eval and checkpointing of one round on a loaded 2-core machine
 
 
@@ -108,7 +108,7 @@ def test_crash_and_restart_resumes_and_catches_up(tmp_path, checkpoint, delay, f
             assert not delay or " at round 1 (" in log  # round 2 had not landed: its checkpoint is round 1's
         else:
             assert "corrupt checkpoint" in log and "falling back to the state of peers" in log
-            assert "fetched the state of round" in log
+            assert "fetched the state of outer step" in log
         summaries = [swarm.summary(a), swarm.summary(b2)]
     assert_rounds_agree(summaries, 5)
 
@@ -196,7 +196,7 @@ def test_a_peer_restarted_after_the_swarm_finished_stops_instead_of_forking(tmp_
     assert b2.proc.returncode == 1, log[-3000:]
     assert "resumed from" in log
     last = log.strip().splitlines()[-1]
-    assert last.startswith("swarm: error: the swarm reached round 4") and "this peer holds round 1" in last, last
+    assert last.startswith("swarm: error: the swarm reached outer step 4") and "this peer holds outer step 1" in last, last
     assert "round 2 committed" not in log  # it never trained on alone
     # bounded: the live window (5 x 1 s + 2 x 1 s) and stall_timeout (5 s) after start-up, plus slack
     assert time.monotonic() - start < 60

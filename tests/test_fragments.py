@@ -36,8 +36,9 @@ def reference_streaming(cfg, replicas: int, groups: list[list[int]], discard=fro
     """Streaming DiLoCo written out by hand: M AdamW replicas; fragment f's exchange starts after inner step
     (f+1)H/F of each round, its mean pseudo-gradient lands `delay` inner steps later with a Nesterov outer step on
     its tensors by formula; each replica resumed from its own outer step (F = 1) or went on from its snapshot
-    (F > 1) and moves by (1 - alpha) (new global - that point). With delay 0: local <- alpha local + (1 - alpha) new global. Exchanges whose index
-    round * F + f is in `discard` are dropped (once each): the replica goes back to its own progress."""
+    (F > 1) and moves by (1 - alpha) (new global - that point). With delay 0: local <- alpha local + (1 - alpha) new
+    global. Exchanges whose index round * F + f is in `discard` are dropped (once each): the replica goes back to its
+    own progress."""
     corpus = load_corpus(cfg.data)
     models = [build_model(cfg.model, corpus.tokenizer.vocab_size) for _ in range(replicas)]
     params = [list(m.parameters()) for m in models]
@@ -213,7 +214,7 @@ class Offers(SoloAverager):
         self.offered = []
 
     def offer_state(self, snapshot):
-        self.offered.append((snapshot.round, dict(snapshot.meta),
+        self.offered.append((snapshot.outer_step, dict(snapshot.meta),
                              {k: t.detach().clone() for k, t in snapshot.tensors.items()}))
 
 

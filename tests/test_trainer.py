@@ -321,7 +321,7 @@ def test_a_taken_state_sets_only_what_its_hash_covers(tmp_path):
     for name, target in targets.items():
         target.copy_(served.tensors[name])
     with pytest.raises(ValueError, match="not a position of this run"):
-        intake.accept(dict(served.meta, inner=1), served.round)  # one fragment: a taker starts the round
-    intake.accept(dict(served.meta, step=10**6), served.round)
+        intake.accept(dict(served.meta, inner=1), served.outer_step)  # one fragment: a taker starts the round
+    intake.accept(dict(served.meta, step=10**6), served.outer_step)
     assert (taker.diloco.round, taker.progress.step) == (2, 2 * 4) and not taker.optimizer.state
     assert taker.diloco.global_sha256() == donor.diloco.global_sha256() == served.sha256

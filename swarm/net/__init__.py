@@ -41,7 +41,7 @@ The all-reduce
 State transfer
 - `statesync.py`: a newcomer (or a peer behind) downloads a donor's state, tensor by tensor, checked against
   the hash the swarm committed.
-- `linger.py`: after the last round, serving the state while live peers need it; the end of a run agrees.
+- `linger.py`: after the last outer step, serving the state while live peers need it; the end of a run agrees.
 - `corpussync.py`: a joiner without the run's corpus fetches its token files, piece by piece, checked against
   the run's corpus hash; every peer serves its own, rate-capped.
 """

@@ -1,4 +1,4 @@
-"""Who may take part in this peer's rounds: the run's allowlist, minus peers banned for misbehaving.
+"""Who may take part in this peer's outer steps: the run's allowlist, minus peers banned for misbehaving.
 
 One `Access` per peer is asked by every gate: matchmaking (a group holding a refused member is left, and a
 leader refuses its join request), the all-reduce's stream handlers and the state server (a refused peer's

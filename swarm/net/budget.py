@@ -2,7 +2,7 @@
 
 Two knobs (SwarmConfig):
 - `stall_timeout` (s): a stream that moves no byte for this long is dead (`wire.py`). Raise it if you see
-  "stalled" on links that are slow but alive; lower it if dead peers hold rounds up.
+  "stalled" on links that are slow but alive; lower it if dead peers hold outer steps up.
 - `min_bandwidth` (bytes/s): the slowest link the swarm supports. A transfer of B bytes fails once it has
   taken `stall_timeout + B / min_bandwidth` s. Lower it if a steady but slow peer logs "not done within".
 
@@ -28,8 +28,8 @@ CHUNK_ELEMENTS = 2**18
 stream stay cheap, large enough that the per-frame cost of Python and p2pd is amortized (measured:
 bench/allreduce.py)."""
 
-ROUND_ATTEMPTS = 3
-"""A round's deadline fits this many matchmakings and full all-reduces: the first try and two retries with the
+OUTER_STEP_ATTEMPTS = 3
+"""An outer step's deadline fits this many matchmakings and full all-reduces: the first try and two retries with the
 survivors of a failure."""
 
 
@@ -47,9 +47,9 @@ def transfer_deadline(nbytes: int, stall: float, min_bandwidth: float) -> float:
     return stall + nbytes / min_bandwidth
 
 
-def round_deadline(member_bytes: int, cfg: SwarmConfig) -> float:
-    """Seconds one round may spend in matchmaking and all-reduce before it is discarded: ROUND_ATTEMPTS x
+def outer_step_deadline(member_bytes: int, cfg: SwarmConfig) -> float:
+    """Seconds one outer step may spend in matchmaking and all-reduce before it is discarded: OUTER_STEP_ATTEMPTS x
     (a matchmaking of `matchmaking_time` plus `request_timeout` of slack, and the all-reduce's deadline)."""
     per_attempt = cfg.matchmaking_time + cfg.request_timeout + transfer_deadline(member_bytes, cfg.stall_timeout,
                                                                                  cfg.min_bandwidth)
-    return ROUND_ATTEMPTS * per_attempt
+    return OUTER_STEP_ATTEMPTS * per_attempt

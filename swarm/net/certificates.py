@@ -1,4 +1,4 @@
-"""Round certificates: which votes the quorum counts, read from the statements that committing groups signed.
+"""Outer step certificates: which votes the quorum counts, read from the statements that committing groups signed.
 
 A vote (a peer's record at outer step s on hash h) used to count one per identity, and identities are free: eight
 fresh keys claiming s+1 on a perturbed hash outvoted three honest peers. Now every peer that commits an outer step
@@ -48,7 +48,7 @@ WINDOW = STATEMENTS
 
 @dataclass(frozen=True)
 class Certificate:
-    round: int
+    outer_step: int
     sha256: str
     parent: str
     signers: frozenset[str]
@@ -59,12 +59,12 @@ def gather(statements: Iterable[tuple[str, Statement]]) -> dict[tuple[int, str],
     of those that reach half their size (a key counts once per group however often its statement was read)."""
     groups: dict[tuple, set[str]] = defaultdict(set)
     for signer, st in statements:
-        groups[(st.round, st.sha256, st.parent, st.group, st.size)].add(signer)
+        groups[(st.outer_step, st.sha256, st.parent, st.group, st.size)].add(signer)
     certs: dict[tuple[int, str], Certificate] = {}
-    for (round, sha, parent, _, size), signers in sorted(groups.items()):
-        best = certs.get((round, sha))
+    for (outer_step, sha, parent, _, size), signers in sorted(groups.items()):
+        best = certs.get((outer_step, sha))
         if 2 * len(signers) >= size and (best is None or len(signers) > len(best.signers)):
-            certs[(round, sha)] = Certificate(round, sha, parent, frozenset(signers))
+            certs[(outer_step, sha)] = Certificate(outer_step, sha, parent, frozenset(signers))
     return certs
 
 
@@ -88,77 +88,77 @@ class Chains:
     def __init__(self, certs: Mapping[tuple[int, str], Certificate], anchor: Anchor):
         self.certs, self.lineage, self.founders, self.remembered = certs, anchor.lineage, anchor.founders, anchor.credit
         self.settled = any(s > 0 for s in anchor.lineage)  # it committed or took an outer step: not a newcomer
-        self._by_round: dict[int, list[Certificate]] = defaultdict(list)
+        self._by_outer_step: dict[int, list[Certificate]] = defaultdict(list)
         for cert in certs.values():
-            self._by_round[cert.round].append(cert)
+            self._by_outer_step[cert.outer_step].append(cert)
         self._grounded: dict[tuple[int, str], bool] = {}
         self._credited: dict[int, frozenset[str]] = {}
         self._filled: set[int] = set()
 
-    def grounded(self, round: int, sha256: str) -> bool:
-        """Whether the certificate of (round, sha256) counts for us (module docstring)."""
-        key = (round, sha256)
+    def grounded(self, outer_step: int, sha256: str) -> bool:
+        """Whether the certificate of (outer step, sha256) counts for us (module docstring)."""
+        key = (outer_step, sha256)
         if key not in self._grounded:
-            self._fill(round)
-            self._grounded[key] = self._ground(round, sha256)
+            self._fill(outer_step)
+            self._grounded[key] = self._ground(outer_step, sha256)
         return self._grounded[key]
 
     def _fill(self, upto: int) -> None:
         """Ground every certificate of the outer steps before `upto`, lowest first: each needs only earlier ones,
         so however many outer steps forged statements span, nothing recurses."""
-        for s in sorted(r for r in self._by_round if r < upto and r not in self._filled):
+        for s in sorted(r for r in self._by_outer_step if r < upto and r not in self._filled):
             self._filled.add(s)
-            for cert in self._by_round[s]:
+            for cert in self._by_outer_step[s]:
                 self._grounded[(s, cert.sha256)] = self._ground(s, cert.sha256)
 
-    def _ground(self, round: int, sha256: str) -> bool:
-        if self.lineage.get(round) == sha256:
+    def _ground(self, outer_step: int, sha256: str) -> bool:
+        if self.lineage.get(outer_step) == sha256:
             return True
-        cert = self.certs.get((round, sha256))
+        cert = self.certs.get((outer_step, sha256))
         if cert is None:
             return False
         if self.settled:
-            credited = self.credited(round)
-        elif round == 1:  # a newcomer: the initial state is everyone's
+            credited = self.credited(outer_step)
+        elif outer_step == 1:  # a newcomer: the initial state is everyone's
             return True
         else:  # a newcomer: its parent's certificate vouches for it
-            parent = self.certs.get((round - 1, cert.parent))
+            parent = self.certs.get((outer_step - 1, cert.parent))
             credited = parent.signers if parent is not None else frozenset()
         return 2 * len(cert.signers & credited) >= len(cert.signers)
 
-    def credited(self, round: int) -> frozenset[str]:
-        """The keys credited at `round`: the signers of the grounded certificates of the WINDOW outer steps before
+    def credited(self, outer_step: int) -> frozenset[str]:
+        """The keys credited at `outer_step`: the signers of the grounded certificates of the WINDOW outer steps before
         it, the founders among them while outer step 0 is."""
-        if round not in self._credited:
-            self._fill(round)
-            self._credited[round] = frozenset().union(
-                self.founders if round <= WINDOW else frozenset(),
-                (key for key, s in self.remembered.items() if s >= round - WINDOW),
-                *(cert.signers for s in range(max(1, round - WINDOW), round) for cert in self._by_round.get(s, ())
-                  if self._grounded[(s, cert.sha256)]))
-        return self._credited[round]
+        if outer_step not in self._credited:
+            self._fill(outer_step)
+            self._credited[outer_step] = frozenset().union(
+                self.founders if outer_step <= WINDOW else frozenset(),
+                (key for key, s in self.remembered.items() if s >= outer_step - WINDOW),
+                *(cert.signers for s in range(max(1, outer_step - WINDOW), outer_step)
+                  for cert in self._by_outer_step.get(s, ()) if self._grounded[(s, cert.sha256)]))
+        return self._credited[outer_step]
 
     def credit(self) -> dict[str, int]:
         """Each key that signed a grounded certificate read, and the last outer step it did: what the observer
         remembers (`Anchor.credit`, ledger.py), so that a lineage that split from ours more than WINDOW outer steps
         ago, whose common parent the records no longer carry, stays grounded for us as it was when they did."""
-        if not self._by_round:
+        if not self._by_outer_step:
             return {}
-        self._fill(max(self._by_round) + 1)
+        self._fill(max(self._by_outer_step) + 1)
         out: dict[str, int] = {}
         for (s, sha), cert in sorted(self.certs.items()):
             if self._grounded.get((s, sha)):
                 out.update(dict.fromkeys(cert.signers, s))
         return out
 
-    def counts(self, peer: str, round: int, sha256: str) -> bool:
-        """Whether `peer`'s vote on (round, sha256) counts (module docstring)."""
-        if round == 0:
+    def counts(self, peer: str, outer_step: int, sha256: str) -> bool:
+        """Whether `peer`'s vote on (outer step, sha256) counts (module docstring)."""
+        if outer_step == 0:
             return True
-        if not sha256 or not self.grounded(round, sha256):
+        if not sha256 or not self.grounded(outer_step, sha256):
             return False
-        cert = self.certs.get((round, sha256))
-        return (cert is not None and peer in cert.signers) or peer in self.credited(round)
+        cert = self.certs.get((outer_step, sha256))
+        return (cert is not None and peer in cert.signers) or peer in self.credited(outer_step)
 
 
 def chains(signed: Iterable[tuple[str, Optional[Statement]]], anchor: Anchor) -> Chains:

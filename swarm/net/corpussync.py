@@ -2,7 +2,7 @@
 
 Every networked peer serves its prepared corpus (swarm/data/tokens.py: `train.bin`, `eval.bin`) on one stream name,
 to the peers `Access` admits (a private swarm's allowlist), to at most MAX_SERVED fetchers at once and at most
-`swarm.corpus_rate` bytes/s to each, so that serving data never takes a round's link. A fetcher (`swarm join` on
+`swarm.corpus_rate` bytes/s to each, so that serving data never takes an outer step's link. A fetcher (`swarm join` on
 a machine without the corpus, peers/join.py) reads a MANIFEST: the dtype, the two files' sizes and the sha256 of
 every PIECE_BYTES piece of each; then it asks for the pieces it lacks, one at a time (a HELLO `{"file", "piece"}`,
 answered by DATA frames that together hold exactly that piece), checks each piece against its hash and writes

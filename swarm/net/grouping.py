@@ -5,7 +5,7 @@
   dialed (not even to say that we leave a group).
 - `agreed_chunk`: the chunk size all members cut parts with, whatever their own time-outs.
 - `Offenses`: groupmates that made an attempt fail (`AllReduceFailed.culprit`). One is left out of this
-  peer's later groups in the same round (proven) or averaging attempt (unproven); one caught sending what no
+  peer's later groups in the same outer step (proven) or averaging attempt (unproven); one caught sending what no
   honest peer sends (`blame` PROOF: malformed or non-finite data, a weight other than announced, a wrong
   average found by an audit) commits an offense, and one caught `access.BAN_AFTER` times is banned for the
   run (access.py keeps the counts, the bans and the events; a groupmate's word, TOLD, never bans: a liar
@@ -20,7 +20,7 @@
   from a group of others. Otherwise it declines the new group at once (its members retry, instead of waiting
   out `stall_timeout` for it). Without this, the groupmates that had proof ran the new group, the one that was
   only told ran the old one, and each side waited for the other until it stalled, then blamed it: an honest
-  peer left out and behind by the end of the round (the hostile table's 3-of-4-rounds rows).
+  peer left out and behind by the end of the outer step (the hostile table's 3-of-4-rounds rows).
 """
 
 from __future__ import annotations
@@ -91,56 +91,58 @@ def agreed_chunk(group: Group) -> int:
 
 class Offenses:
     """Who sits out this peer's groups. A proven offender (we saw it send what no honest peer sends) sits out
-    the rest of the round, and `access` counts the offense. An unproven culprit (SEEN: it went silent, as an
+    the rest of the outer step, and `access` counts the offense. An unproven culprit (SEEN: it went silent, as an
     honest peer on a bad link does; TOLD: a groupmate's word, which a liar gives against anyone) sits out the
     rest of this averaging attempt only (`begin` takes it back), and not even that when it is the only one left
-    to average with (`exclude`). Left out for the round, honest peers that blamed each other for a trickler's
-    stalls stayed apart, and since a discarded round is retried at the same round the leave-outs never lapsed
-    ("only offenders in our group; retrying" for ever); left out for the attempt, they lost the round."""
+    to average with (`exclude`). Left out for the outer step, honest peers that blamed each other for a trickler's
+    stalls stayed apart, and since a discarded outer step is retried at the same outer step the leave-outs never lapsed
+    ("only offenders in our group; retrying" for ever); left out for the attempt, they lost the outer step."""
 
     def __init__(self, access: Access):
         self.access = access
-        self.round, self.proven, self.unproven = -1, set(), set()
+        self.outer_step, self.proven, self.unproven = -1, set(), set()
 
-    def _at(self, round: int) -> None:
-        if round != self.round:
-            self.round, self.proven, self.unproven = round, set(), set()
+    def _at(self, outer_step: int) -> None:
+        if outer_step != self.outer_step:
+            self.outer_step, self.proven, self.unproven = outer_step, set(), set()
 
-    def begin(self, round: int) -> None:
-        """A new averaging attempt of `round` (the first, or a retry after a discard): unproven leave-outs lapse."""
-        self._at(round)
+    def begin(self, outer_step: int) -> None:
+        """A new averaging attempt of `outer_step` (the first, or a retry after a discard): unproven leave-outs
+        lapse."""
+        self._at(outer_step)
         self.unproven = set()
 
-    def record(self, peer: PeerID | str, round: int, reason: str, proven: bool = True,
+    def record(self, peer: PeerID | str, outer_step: int, reason: str, proven: bool = True,
                conclusive: bool = False) -> None:
-        """`peer` made an attempt of `round` fail: out of our groups (see the class); `proven` also counts an
+        """`peer` made an attempt of `outer_step` fail: out of our groups (see the class); `proven` also counts an
         offense (`conclusive`: one that bans at once). Unproven: only noted."""
-        self._at(round)
+        self._at(outer_step)
         (self.proven if proven else self.unproven).add(str(peer))
         if proven:
             self.access.offense(peer, reason, conclusive)
         else:
-            self.access.note("left out", peer, f"round {round + 1}: {reason}")
+            self.access.note("left out", peer, f"outer step {outer_step + 1}: {reason}")
 
-    def excluded(self, peer: PeerID, round: int) -> bool:
-        return not self.access.seats(peer) or (round == self.round and str(peer) in self.proven | self.unproven)
+    def excluded(self, peer: PeerID, outer_step: int) -> bool:
+        return not self.access.seats(peer) or (outer_step == self.outer_step
+                                               and str(peer) in self.proven | self.unproven)
 
-    def exclude(self, group: Group, round: int) -> tuple[Group, frozenset[str]]:
+    def exclude(self, group: Group, outer_step: int) -> tuple[Group, frozenset[str]]:
         """`group` without the offenders (under a new id if any was dropped) and the ids of those dropped; NoGroup
         if only we remain."""
-        out = [i for i, p in enumerate(group.members) if self.excluded(p, round)]
+        out = [i for i, p in enumerate(group.members) if self.excluded(p, outer_step)]
         keep = [i for i in range(len(group.members)) if i not in out]
         back = [i for i in out if self.access.seats(group.members[i]) and str(group.members[i]) not in self.proven]
         if len(keep) < 2 and back:  # nobody else is here: an unproven culprit may only have been framed
-            logger.info(f"round {round + 1}: taking back {[str(group.members[i]) for i in back]}: left out on "
-                        f"unproven grounds, and nobody else is in our group")
+            logger.info(f"outer step {outer_step + 1}: taking back {[str(group.members[i]) for i in back]}: left "
+                        f"out on unproven grounds, and nobody else is in our group")
             self.unproven -= {str(group.members[i]) for i in back}
             out = [i for i in out if i not in back]
             keep = sorted([*keep, *back])
         if not out:
             return group, frozenset()
         dropped = [str(group.members[i]) for i in out]
-        logger.warning(f"round {round + 1}: leaving out offenders {dropped}")
+        logger.warning(f"outer step {outer_step + 1}: leaving out offenders {dropped}")
         if len(keep) < 2:
             raise NoGroup(f"only offenders {dropped} in our group", alone=False, left=group)
         return without(group, frozenset(dropped)), frozenset(dropped)

@@ -30,7 +30,7 @@ from swarm.net.wire import CONTROL_BYTES, HEADER, Channel, Kind, WireError
 
 logger = logging.getLogger(__name__)
 
-FORGED_ROUND = 2**40
+FORGED_OUTER_STEP = 2**40
 CLAIMED_SAMPLES = 10**18
 FLOOD_STREAMS = 32
 TRICKLE_STREAMS = 32  # per handler of every other peer, held open a byte per half stall
@@ -80,7 +80,7 @@ class Hooks(AllReduceHooks):
         return seconds
 
     def manifest(self, manifest: dict) -> dict:
-        """The manifest of the state we serve to a newcomer (round, sha256, meta, and per tensor
+        """The manifest of the state we serve to a newcomer (outer step, sha256, meta, and per tensor
         [name, dtype, shape, bytes]), before it is sent."""
         return manifest
 
@@ -112,7 +112,7 @@ class Attacker(Hooks):
             return record
         self._beats += 1
         forged = dict(record, ready=True, inner_step=0, samples=10**9, samples_per_s=1e9, serves_state=True)
-        return dict(forged, round=FORGED_ROUND) if self._beats % 2 == 0 else forged
+        return dict(forged, round=FORGED_OUTER_STEP) if self._beats % 2 == 0 else forged
 
     def commit(self, record: dict) -> dict:
         if "forged-commit" not in self.kinds:
@@ -123,7 +123,7 @@ class Attacker(Hooks):
         if "garbage-meta" in self.kinds:
             return dict(meta, samples="lots", base=["not", "a", "hash"])
         if "stall-round" in self.kinds:
-            return dict(meta, round=FORGED_ROUND)
+            return dict(meta, round=FORGED_OUTER_STEP)
         if "stall-numel" in self.kinds:
             return dict(meta, numel=meta.get("numel", 0) + 1)
         if "stall-token" in self.kinds:  # the barrier's tensor holds another token than this
@@ -142,7 +142,7 @@ class Attacker(Hooks):
         trusted the leader's word would charge each other offenses, and ban each other after two.
         replay: every member's meta is the one it signed for an earlier group we led, once we have one (each
         signature verifies): followers that trusted a valid signature would charge that member "metadata of
-        another round", and ban it after two."""
+        another outer step", and ban it after two."""
         if "frame" not in self.kinds and "replay" not in self.kinds:
             return message
         if message.group_id in self._led:  # this runs once per follower: each gets the group's one message
@@ -262,9 +262,9 @@ class Attacker(Hooks):
 
     async def _sybil_quorum(self, reach: Reach) -> None:
         """sybil-quorum: mint QUORUM_SYBILS identities (free, or with the swarm's proof of work), then every
-        progress interval have each sign a progress record one round past ours, on a perturbed hash of ours,
-        serving it, and a commit record of that round: more voters than the honest peers, for a state that does
-        not exist. From the run's second round: at the first, nothing is known of anyone, and identities count."""
+        progress interval have each sign a progress record one outer step past ours, on a perturbed hash of ours,
+        serving it, and a commit record of that outer step: more voters than the honest peers, for a state that does
+        not exist. From the run's second outer step: at the first, nothing is known of anyone, and identities count."""
         from hivemind.utils.timed_storage import get_dht_time
 
         from swarm.net import schema

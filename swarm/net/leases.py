@@ -1,4 +1,4 @@
-"""A peer's lease on a data shard, through the DHT: `ShardLeases.acquire()` at start, `renew()` at every round's
+"""A peer's lease on a data shard, through the DHT: `ShardLeases.acquire()` at start, `renew()` at every outer step's
 close. The policy (who takes which shard) is swarm/data/leases.py; the record is `schema.LeaseRecord` under
 `{run_id}_leases`, signed by its owner like every record.
 
@@ -152,7 +152,7 @@ class ShardLeases:
             log.info("leased data shard %d of %d", self.shard, self.cfg.data.num_shards)
 
     def renew(self, positions: dict[int, int]) -> int:
-        """At a round's close, with `positions` the samples this peer has drawn per shard: count the samples
+        """At an outer step's close, with `positions` the samples this peer has drawn per shard: count the samples
         trained since the last renewal as overlapped if another live peer claims the current shard, re-store the
         lease, and move to another shard if an earlier claimant holds this one. Returns the shard to train on."""
         timeout = self.cfg.swarm.request_timeout

@@ -1,8 +1,8 @@
-"""Whose commits count for a peer left alone: the keys that took part in a round with it, one vote each.
+"""Whose commits count for a peer left alone: the keys that took part in an outer step with it, one vote each.
 
 Identities are free (a key pair takes a fraction of a second to make). Where no other peer is live (the first
 peer of a run, a restarted peer, the last one lingering), the last commit records decide where the swarm got to
-(policy.py), and one forged record at the next round made such a peer exit. So it counts only the keys it knows
+(policy.py), and one forged record at the next outer step made such a peer exit. So it counts only the keys it knows
 to have taken part in the run: `Ledger.record` keeps, per outer step, the members of every group this peer
 completed an all-reduce with, and the live peers whose records held a state it took from the swarm (its own
 group was outvoted, it fell behind, or it joined). The ledger lives in the peer's folder (`ledger.json`), beside
@@ -80,8 +80,8 @@ class Ledger:
         them; the same state offered again keeps its statement. Replaced whole, like `record`."""
         lineage = {s: h for s, h in self.lineage.items() if s < outer_step}
         self.lineage = {s: lineage.get(s, sha256) for s in sorted({*lineage, outer_step})[-KEPT:]}
-        kept = tuple(st for st in self.statements if st.round < outer_step
-                     or (statement is None and (st.round, st.sha256) == (outer_step, sha256)))  # offered again
+        kept = tuple(st for st in self.statements if st.outer_step < outer_step
+                     or (statement is None and (st.outer_step, st.sha256) == (outer_step, sha256)))  # offered again
         self.statements = (*kept, statement)[-STATEMENTS:] if statement is not None else kept[-STATEMENTS:]
         self._save()
 

@@ -7,7 +7,7 @@ instance (all-reduce, its repairs and audits, the state server): `MAX_STREAMS_PE
 peer and `MAX_STREAMS` in total; `wire.serve` refuses a stream over either cap before reading a byte of it,
 unless one still waiting for its first frame gives way to it (`Streams`).
 An honest peer holds a few at a time at one groupmate (its all-reduce stream, one lingering from the last
-round, an audit fetch, a repair, a state download); a group of `swarm.target_group_size` 64 holds about
+outer step, an audit fetch, a repair, a state download); a group of `swarm.target_group_size` 64 holds about
 130 at each of its members. Memory per stream is bounded by the frame sizes its handler accepts
 (wire.py), which arrive before they are buffered.
 
@@ -48,7 +48,7 @@ class Streams:
     newest such stream gives way (the older ones run into their deadline and get the peer charged); over the
     total cap the oldest of anyone's. Without this, a trickler's own all-reduce streams were refused by its
     groupmates (its cap full of its trickles): its groups failed, and its honest code blamed the groupmates that
-    refused it, which left an honest peer out of a round."""
+    refused it, which left an honest peer out of an outer step."""
 
     def __init__(self, total: int = MAX_STREAMS, per_peer: int = MAX_STREAMS_PER_PEER):
         self.total, self.per_peer = total, per_peer

@@ -9,15 +9,15 @@ phantom group, waiting for parts that never come. A failed barrier retries at on
 (`AllReduce.abandon`): those for whom it did succeed drop the group at once too, instead of waiting for this
 peer's parts until they stall. The real all-reduce runs in allreduce/.
 
-Round tagging: the averager's group key is `{run_id}_{fingerprint}.0b{round as 32 bits}`.
+Outer step tagging: the averager's group key is `{run_id}_{fingerprint}.0b{outer_step as 32 bits}`.
 - the prefix makes peers of another run, or of this run with other model/run settings, never meet;
-- the group bits are set to the round before every step (`set_group_bits`; hivemind rewrites them
-  after each group), so only peers of the same round meet.
+- the group bits are set to the outer step before every step (`set_group_bits`; hivemind rewrites them
+  after each group), so only peers of the same outer step meet.
 
 Each member's meta carries a fresh random nonce, so the group id (a hash of the gathered metadata in
 group order) differs on every attempt, also when the same peers retry together.
 
-Group size: every step's target is the number of live peers at this round or still showing the one
+Group size: every step's target is the number of live peers at this outer step or still showing the one
 before (their progress records, us included), capped by `target_group_size`: the leader starts as soon
 as they all joined. A peer not yet visible (a newcomer) may miss the group; it then finds the swarm ahead
 and downloads the state. A peer's first group waits the full matchmaking_time: peers started with it may
@@ -30,17 +30,17 @@ only joins leaders, over the streams it opens to them; a group of clients alone 
 Every member's meta is its own: signed by it (signedmeta.py), checked by the leader when it joins and by
 every member before it uses the group; a meta not signed by its member was forged by the leader that
 assembled the group, which is charged the offense (`NoGroup.culprits`). A signed meta is then untrusted as
-any: it must fit `GroupMeta` (strict types, bounded sizes) and ours (the round, the vector's size) or the
+any: it must fit `GroupMeta` (strict types, bounded sizes) and ours (the outer step, the vector's size) or the
 group is left and the member that signed it charged an offense (access.py); a group holding a peer that
 `Access` refuses (not in the allowlist, or banned) is left to the caller, which leaves that peer out, and a
 group a refused peer assembled is left; as a leader this peer refuses such peers' join requests.
 
 The barrier cannot name a culprit: hivemind averages the tokens on one member, out of our sight, so a
 mismatch may be a member that left (a phantom), a member that put another token in, or the member that
-averaged them. So it decides only the first attempt of a round that fails it (left at once: a phantom is
-the common case); in later attempts of the round a mismatch is logged and the group used: the all-reduce
+averaged them. So it decides only the first attempt of an outer step that fails it (left at once: a phantom is
+the common case); in later attempts of the outer step a mismatch is logged and the group used: the all-reduce
 then checks who is there, where every member's HELLO reaches each owner itself. A hostile token costs one
-attempt per round.
+attempt per outer step.
 
 Timeouts, all from SwarmConfig:
 - `min_matchmaking_time = matchmaking_time`: how long a leader waits for followers it expects but
@@ -83,7 +83,7 @@ from swarm.net.identity import Identity
 
 logger = logging.getLogger(__name__)
 
-ROUND_BITS = 32
+OUTER_STEP_BITS = 32
 
 
 @dataclass
@@ -96,7 +96,7 @@ class Group:
 class GroupMeta(BaseModel):
     """What each member tells its group when it forms: checked before any of it is used."""
 
-    round: conint(ge=0, strict=True)
+    round: conint(ge=0, strict=True)  # wire name of the outer step (schema.WIRE_NAMES)
     nonce: constr(regex=r"^[0-9a-f]{16}$", strict=True)
     token: confloat(ge=1.0, le=2.0**16, strict=True)
     samples: conint(ge=0, strict=True) = 0  # inner samples since the last commit: the member's weight
@@ -110,6 +110,10 @@ class GroupMeta(BaseModel):
     class Config:
         extra = "forbid"
 
+    @property
+    def outer_step(self) -> int:
+        return self.round
+
 
 class NoGroup(Exception):
     """Matchmaking ended without a group; `alone` is True when nobody else showed up. `left`: a group this
@@ -122,8 +126,8 @@ class NoGroup(Exception):
         self.reason, self.alone, self.left, self.culprits = reason, alone, left, culprits
 
 
-def round_bits(round: int) -> str:
-    return format(round % 2**ROUND_BITS, f"0{ROUND_BITS}b")
+def outer_step_bits(outer_step: int) -> str:
+    return format(outer_step % 2**OUTER_STEP_BITS, f"0{OUTER_STEP_BITS}b")
 
 
 def group_id(members: list[PeerID], metas: list[dict]) -> bytes:
@@ -265,7 +269,7 @@ class Matchmaker:
         self.cfg, self.access = cfg, access or Access()
         self.identity = identity or dht.identity
         self.prefix = schema.matchmaking_prefix(cfg.run_id, fingerprint)
-        self._barrier_failed: Optional[int] = None  # the last round whose barrier failed here
+        self._barrier_failed: Optional[int] = None  # the last outer step whose barrier failed here
         _quiet_hivemind()
         with children_die_with_us():
             # hivemind's averager, used only to agree on a group (its all-reduce averages a token)
@@ -280,50 +284,52 @@ class Matchmaker:
             )
         self._refused: set[str] = set()  # bans already sent to the averager's process
 
-    def form_group(self, round: int, meta: dict[str, Any], timeout: float, expected: Optional[int] = None) -> Group:
-        """Meet the peers of `round` (at most `timeout` s); raise NoGroup if none could be met.
+    def form_group(self, outer_step: int, meta: dict[str, Any], timeout: float,
+                   expected: Optional[int] = None) -> Group:
+        """Meet the peers of `outer_step` (at most `timeout` s); raise NoGroup if none could be met.
 
-        `expected`: how many peers (us included) are live at this round; a group closes as soon as that many
+        `expected`: how many peers (us included) are live at this outer step; a group closes as soon as that many
         met (capped by `target_group_size`) instead of after `matchmaking_time`.
         """
         wait = self.cfg.request_timeout
         token = float(random.randint(1, 2**16))
-        # `meta` comes last so that a hostile peer's hooks can claim another round or token (hostile.py)
-        meta = signedmeta.sign(self.identity, self.prefix, {"round": round, "nonce": os.urandom(8).hex(),
+        # `meta` comes last so that a hostile peer's hooks can claim another outer step or token (hostile.py)
+        meta = signedmeta.sign(self.identity, self.prefix, {"round": outer_step, "nonce": os.urandom(8).hex(),
                                                             "token": token, **meta})
         size = self.cfg.target_group_size if expected is None else max(2, min(expected, self.cfg.target_group_size))
         try:
             for peer in self.access.banned - self._refused:
                 self.averager.refuse(peer, wait)
                 self._refused.add(peer)
-            self.averager.set_group_bits(round_bits(round), wait=False).result(wait)
+            self.averager.set_group_bits(outer_step_bits(outer_step), wait=False).result(wait)
             self.averager.set_target_group_size(size, wait)
             with self.averager.tensors(wait) as tensors:
                 tensors[0].fill_(token)
         except TimeoutError as e:
-            raise NoGroup(f"round {round}: the matchmaking process did not answer: {e or f'within {wait:g} s'}",
-                          alone=False) from None
+            raise NoGroup(f"outer step {outer_step}: the matchmaking process did not answer: "
+                          f"{e or f'within {wait:g} s'}", alone=False) from None
         start = time.monotonic()
         try:
             stepped = self.averager.step(gather=meta, timeout=timeout, allow_retries=False)
         except Exception as e:  # hivemind raises AllreduceException, MatchmakingException, TimeoutError...
             alone = "could not find a group" in str(e)
-            raise NoGroup(f"no group for round {round} after {time.monotonic() - start:.1f} s: {e!r}", alone) from e
+            raise NoGroup(f"no group for outer step {outer_step} after {time.monotonic() - start:.1f} s: {e!r}",
+                          alone) from e
         if stepped is None or stepped["gathered"] is None:
-            raise NoGroup(f"no group for round {round}: the averager returned nothing", alone=False)
+            raise NoGroup(f"no group for outer step {outer_step}: the averager returned nothing", alone=False)
         members, metas = list(stepped["gathered"].keys()), list(stepped["gathered"].values())
         if len(members) < 2:
-            raise NoGroup(f"round {round}: only this peer in its group", alone=True)
+            raise NoGroup(f"outer step {outer_step}: only this peer in its group", alone=True)
         group = Group(group_id(members, metas), members, metas)
-        self._check(round, group, stepped["leader"], meta)
+        self._check(outer_step, group, stepped["leader"], meta)
         return group
 
-    def _check(self, round: int, group: Group, leader: Optional[str], ours: dict[str, Any]) -> None:
+    def _check(self, outer_step: int, group: Group, leader: Optional[str], ours: dict[str, Any]) -> None:
         """Before we use a group: who led it, every admitted member's meta signed by itself and fitting ours, and
         the barrier; NoGroup naming the culprits (charged an offense here) if any of it fails."""
         members, metas = group.members, group.metas
         if leader is not None and not self.access.admits(leader):
-            raise NoGroup(f"round {round}: the group was assembled by {leader}, which this peer refuses "
+            raise NoGroup(f"outer step {outer_step}: the group was assembled by {leader}, which this peer refuses "
                           f"({self.access.refusal(leader)})", alone=False, left=group)
         # Refused members (allowlist, bans) are left out by the caller (grouping.Offenses.exclude); their meta
         # is not read, and their barrier tokens are unknowns that must sum to something plausible.
@@ -332,28 +338,28 @@ class Matchmaker:
                   if ok and (why := signedmeta.unsigned(p, self.prefix, m))]
         if forged:  # an honest leader checked every join (`_GroupAverager`): whoever assembled the group forged it
             culprit = leader or forged[0][0]  # we led: we checked the joins, so only a bug gets here
-            reason = (f"round {round}: the group from leader {culprit} holds metadata its members did not sign: "
-                      + ", ".join(f"{p} ({why})" for p, why in forged))
+            reason = (f"outer step {outer_step}: the group from leader {culprit} holds metadata its members did not "
+                      "sign: " + ", ".join(f"{p} ({why})" for p, why in forged))
             self.access.offense(culprit, reason)
             raise NoGroup(reason, alone=False, left=group, culprits=(culprit,))
         mine = [m for p, m in zip(members, metas) if p == self.averager.peer_id]
         if leader is not None and mine != [ours]:  # signed by us, but not what we sent for this attempt
-            reason = (f"round {round}: the group from leader {leader} holds another meta of ours than we sent for "
-                      f"this attempt (a replay)" if mine else f"round {round}: leader {leader} left us out of its "
-                      f"group")
+            reason = (f"outer step {outer_step}: the group from leader {leader} holds another meta of ours than we "
+                      f"sent for this attempt (a replay)" if mine
+                      else f"outer step {outer_step}: leader {leader} left us out of its group")
             self.access.offense(leader, reason)
             raise NoGroup(reason, alone=False, left=group, culprits=(leader,))
         bad = [str(p) for p, m, ok in zip(members, metas, admitted) if ok and not fits(m)]
         if bad:  # signed by its member: its own words
             for peer in bad:
                 self.access.offense(peer, "sent malformed matchmaking metadata")
-            raise NoGroup(f"round {round}: malformed matchmaking metadata from {', '.join(bad)}", alone=False,
+            raise NoGroup(f"outer step {outer_step}: malformed matchmaking metadata from {', '.join(bad)}", alone=False,
                           left=group, culprits=tuple(bad))
         checked = {str(p): GroupMeta.parse_obj(m) for p, m, ok in zip(members, metas, admitted) if ok}
         for peer in outsized({p: m.samples for p, m in checked.items()}):
             self.access.note("outsized_weight", peer, f"claims {checked[peer].samples} samples, over {OUTSIZED}x its "
                                                       f"group's median: its share is capped (swarm.max_weight_share)")
-        if (found := misfit(round, checked, GroupMeta.parse_obj(ours))) is not None:
+        if (found := misfit(outer_step, checked, GroupMeta.parse_obj(ours))) is not None:
             reason, culprits = found
             for peer in culprits:
                 self.access.offense(peer, reason)
@@ -362,15 +368,15 @@ class Matchmaker:
             with self.averager.tensors(self.cfg.request_timeout) as tensors:
                 got = float(tensors[0])
         except TimeoutError as e:
-            raise NoGroup(f"round {round}: {e}", alone=False, left=group) from None
+            raise NoGroup(f"outer step {outer_step}: {e}", alone=False, left=group) from None
         unknown = got * len(members) - sum(m.token for m in checked.values())  # the refused members' tokens
         lo, hi = len(members) - len(checked), (len(members) - len(checked)) * 2.0**16
         if not lo - 1e-4 * got * len(members) <= unknown <= hi + 1e-4 * got * len(members):
-            if self._barrier_failed == round:  # see "The barrier" above: the all-reduce's HELLOs decide now
-                logger.info(f"round {round}: the matchmaking barrier failed again; going on, the all-reduce "
+            if self._barrier_failed == outer_step:  # see "The barrier" above: the all-reduce's HELLOs decide now
+                logger.info(f"outer step {outer_step}: the matchmaking barrier failed again; going on, the all-reduce "
                             f"checks who is there")
                 return
-            self._barrier_failed = round
+            self._barrier_failed = outer_step
             raise NoGroup(f"a phantom group of {len(members)}: not every member took part in the matchmaking "
                           f"barrier", alone=False, left=group)
 
@@ -380,16 +386,16 @@ class Matchmaker:
         self.averager.join(self.cfg.request_timeout)
 
 
-def misfit(round: int, checked: dict[str, GroupMeta], ours: GroupMeta) -> Optional[tuple[str, list[str]]]:
+def misfit(outer_step: int, checked: dict[str, GroupMeta], ours: GroupMeta) -> Optional[tuple[str, list[str]]]:
     """Why a group whose admitted members signed `checked` (by peer id) must be left, and who is to blame (each
-    said it itself); None if it need not. A meta of an earlier round blames nobody: its member signed it once,
-    and a leader it joined then can replay it into any later group (signedmeta.py); a later round's it cannot
+    said it itself); None if it need not. A meta of an earlier outer step blames nobody: its member signed it once,
+    and a leader it joined then can replay it into any later group (signedmeta.py); a later outer step's it cannot
     have signed for anyone yet but itself."""
-    if other := [p for p, m in checked.items() if m.round != round]:
-        return f"round {round}: {', '.join(other)} sent metadata of another round", [
-            p for p in other if checked[p].round > round]
+    if other := [p for p, m in checked.items() if m.outer_step != outer_step]:
+        return f"outer step {outer_step}: {', '.join(other)} sent metadata of another outer step", [
+            p for p in other if checked[p].outer_step > outer_step]
     if other := [p for p, m in checked.items() if m.numel != ours.numel]:
-        return (f"round {round}: {', '.join(other)} average vectors of other sizes than our {ours.numel} "
+        return (f"outer step {outer_step}: {', '.join(other)} average vectors of other sizes than our {ours.numel} "
                 f"elements", other)
     return None
 

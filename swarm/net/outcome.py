@@ -29,9 +29,9 @@ class Averaging:
     full: WireLayout  # the whole vector, one owner: its size and wire bytes
     meta: dict  # our matchmaking metadata
     start: float = field(default_factory=time.monotonic)
-    deadline: float = 0.0  # budget.round_deadline from `start`
+    deadline: float = 0.0  # budget.outer_step_deadline from `start`
     residual: Optional[list[torch.Tensor]] = None  # swarm.error_feedback with a lossy codec
-    reason: str = "the round's deadline is too short for one attempt"
+    reason: str = "the outer step's deadline is too short for one attempt"
     expected: Optional[int] = None  # the group size the records led the last matchmaking attempt to wait for
 
     def elapsed(self) -> float:
@@ -42,7 +42,7 @@ class Averaging:
         return RoundOutcome(None, comm_s=self.elapsed(), behind=True, donors=donors, note=note)
 
     def alone(self) -> RoundOutcome:
-        """Our own pseudo-gradient as the round's average."""
+        """Our own pseudo-gradient as the outer step's average."""
         Buffers.of(self.out).fill(self.pseudo_grad.read)
         return RoundOutcome(self.out, total_samples=self.samples, comm_s=self.elapsed(), note="alone")
 
@@ -56,4 +56,4 @@ class Averaging:
     def discarded(self) -> RoundOutcome:
         return RoundOutcome(None, comm_s=self.elapsed(),
                             note=f"outer step {self.outer_step + 1} discarded after {self.elapsed():.0f} s "
-                                 f"(the round's deadline, budget.round_deadline): {self.reason}")
+                                 f"(the outer step's deadline, budget.outer_step_deadline): {self.reason}")

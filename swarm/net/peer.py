@@ -5,7 +5,7 @@ A background thread runs an asyncio loop that holds a P2P replica of the DHT's d
 calls in with bounded waits:
 
 - `average()`: each attempt goes through four stages until one settles the outer step or its deadline
-  (`budget.round_deadline`, from the vector's bytes) passes, when it is discarded (averaged=None), never
+  (`budget.outer_step_deadline`, from the vector's bytes) passes, when it is discarded (averaged=None), never
   half-averaged: *assess* where this peer stands by the records (`policy.assess`: behind the swarm or on a
   minority's parameters -> `behind=True`, take the state), *form a group* (matchmaking.py, less known
   offenders), *reduce* (the streamed all-reduce into the trainer's buffers), *decide* (the outcome). A peer
@@ -50,7 +50,7 @@ from swarm.errors import SwarmError
 from swarm.net import policy, schema
 from swarm.net.access import Access
 from swarm.net.allreduce import CONCLUSIVE, PROOF, AllReduce, AllReduceFailed, Contribution, Rule, WireLayout
-from swarm.net.budget import chunk_elements, round_deadline
+from swarm.net.budget import chunk_elements, outer_step_deadline
 from swarm.net.codec import get_codec
 from swarm.net.corpussync import CorpusServer
 from swarm.net.dataplane import DataPlane, hosts_of
@@ -162,7 +162,7 @@ class SwarmAverager(Averager):
     def offer_state(self, snapshot: Snapshot, wait: bool = False) -> None:
         self.records.offer_state(snapshot, wait)
 
-    # ---- averaging: assess -> form a group -> reduce -> decide, until the round's deadline ---------------
+    # ---- averaging: assess -> form a group -> reduce -> decide, until the outer step's deadline ---------------
 
     def average(self, outer_step: int, pseudo_grad: PseudoGradient, samples: int,
                 out: Sequence[torch.Tensor] | Buffers, base: str = "") -> RoundOutcome:
@@ -193,7 +193,7 @@ class SwarmAverager(Averager):
             meta["client"] = True
         job = Averaging(outer_step, pseudo_grad, samples, out, base, full, meta)
         self.offenses.begin(outer_step)
-        job.deadline = job.start + round_deadline(2 * full.part_wire_bytes(0), self.cfg)  # 2 (n-1)/n V < 2 V
+        job.deadline = job.start + outer_step_deadline(2 * full.part_wire_bytes(0), self.cfg)  # 2 (n-1)/n V < 2 V
         if self.cfg.error_feedback and self._codec.lossy:
             job.residual = [torch.zeros(s) for s in pseudo_grad.shapes]
         if self.faults.kill_phase == "allreduce" and self.faults.kill_round == outer_step + 1:
@@ -203,7 +203,7 @@ class SwarmAverager(Averager):
         return job
 
     def _assess(self, job: Averaging) -> policy.Position | RoundOutcome:
-        """Where we stand by the records; an outcome when that settles the round: behind or diverged (take the
+        """Where we stand by the records; an outcome when that settles the outer step: behind or diverged (take the
         state), or alone once we have averaged with others (a lone survivor does not wait for nobody)."""
         position = self.records.assess(job.outer_step, job.base)
         if position.verdict in (policy.Verdict.BEHIND, policy.Verdict.DIVERGED):
@@ -227,7 +227,7 @@ class SwarmAverager(Averager):
             return job.behind(e.donors, str(e))
         except NoGroup as e:
             job.reason = e.reason
-            for culprit in e.culprits:  # charged by the matchmaker already: out of our groups this round
+            for culprit in e.culprits:  # charged by the matchmaker already: out of our groups this outer step
                 self.offenses.record(culprit, job.outer_step, e.reason, proven=False)
             if e.left is not None:  # groupmates that believe in this group must not wait for us
                 self._abandon(e.left, e.reason)
@@ -316,8 +316,8 @@ class SwarmAverager(Averager):
             candidates = list(donors) if donors else random.sample(position.donors, len(position.donors))
             if must:
                 live = [r for r in self.records.peers() if r.peer_id != self.peer_id and r.serves_state
-                        and r.round >= outer_step and policy.is_live(r, get_dht_time(), live_window(self.cfg))]
-                candidates = [r.peer_id for r in sorted(live, key=lambda r: (-r.round, random.random()))]
+                        and r.outer_step >= outer_step and policy.is_live(r, get_dht_time(), live_window(self.cfg))]
+                candidates = [r.peer_id for r in sorted(live, key=lambda r: (-r.outer_step, random.random()))]
             if position.verdict is policy.Verdict.UNSURE and not candidates and time.monotonic() < deadline:
                 time.sleep(self.cfg.progress_interval)  # our own fresh record is not readable yet: read again
                 continue
@@ -336,33 +336,37 @@ class SwarmAverager(Averager):
                     tried[peer_id] = str(e)
                     must = must or bool(written)
                     continue
-                self.records.ledger.record(got.round, self._holders(got.round, got.sha256))
-                # a groupmate from now on: peers matching for the next round wait for us rather than close it alone
-                self.publish_progress(got.round, 0, 0, 0.0, ready=False, sha256=got.sha256, wait=True)
-                logger.info(f"fetched the state of round {got.round} from {peer_id}: {got.bytes / 1e6:.0f} MB in "
-                            f"{got.seconds:.1f} s ({got.bytes / 1e6 / max(got.seconds, 1e-9):.0f} MB/s)")
+                self.records.ledger.record(got.outer_step, self._holders(got.outer_step, got.sha256))
+                # a groupmate from now on: peers matching for the next outer step wait for us rather than close it alone
+                self.publish_progress(got.outer_step, 0, 0, 0.0, ready=False, sha256=got.sha256, wait=True)
+                logger.info(f"fetched the state of outer step {got.outer_step} from {peer_id}: "
+                            f"{got.bytes / 1e6:.0f} MB in {got.seconds:.1f} s "
+                            f"({got.bytes / 1e6 / max(got.seconds, 1e-9):.0f} MB/s)")
                 return got
             if not needed:
                 return None
             if time.monotonic() > deadline:
                 raise SwarmError(
-                    f"the swarm reached round {position.swarm_round} (global parameters "
-                    f"{(position.swarm_sha256 or '?')[:12]}) and this peer holds round {outer_step}, but no peer could "
-                    f"give its state within {time.monotonic() - start:.0f} s; tried: "
-                    f"{', '.join(tried) or 'nobody serves it (every peer at that round has left)'}")
+                    f"the swarm reached outer step {position.swarm_outer_step} (global parameters "
+                    f"{(position.swarm_sha256 or '?')[:12]}) and this peer holds outer step {outer_step}, but no peer "
+                    f"could give its state within {time.monotonic() - start:.0f} s; tried: "
+                    f"{', '.join(tried) or 'nobody serves it (every peer at that outer_step has left)'}")
             time.sleep(self.cfg.progress_interval)
 
-    def _holders(self, round: int, sha256: str) -> list[str]:
-        """Us, and the live peers whose records hold (`round`, `sha256`) and that vote on it for us (all of them
-        while our ledger knows nothing before `round`): whom the ledger credits with a state we took."""
-        votes = policy.votes_on(self.records.ledger.known, round)
-        return [self.peer_id, *(r.peer_id for r in self.records.peers() if r.round == round and r.sha256 == sha256
+    def _holders(self, outer_step: int, sha256: str) -> list[str]:
+        """Us, and the live peers whose records hold (`outer_step`, `sha256`) and that vote on it for us (all of them
+        while our ledger knows nothing before `outer_step`): whom the ledger credits with a state we took."""
+        votes = policy.votes_on(self.records.ledger.known, outer_step)
+        return [self.peer_id, *(r.peer_id for r in self.records.peers()
+                                if r.outer_step == outer_step and r.sha256 == sha256
                                 and policy.is_live(r, get_dht_time(), live_window(self.cfg)) and votes(r.peer_id))]
 
-    def _check_state(self, got_round: int, got_sha: str, outer_step: int, sha256: str, must: bool) -> Optional[str]:
-        """Why a donor's state of (got_round, got_sha) must not replace ours at (outer_step, sha256); None: take it."""
-        if got_round < outer_step or (got_round == outer_step and got_sha == sha256 and not must):
-            return f"not newer than ours (round {outer_step})"
+    def _check_state(self, got_outer_step: int, got_sha: str, outer_step: int, sha256: str,
+                     must: bool) -> Optional[str]:
+        """Why a donor's state of (got_outer_step, got_sha) must not replace ours at (outer_step, sha256); None: take
+        it."""
+        if got_outer_step < outer_step or (got_outer_step == outer_step and got_sha == sha256 and not must):
+            return f"not newer than ours (outer step {outer_step})"
         commits = self.records.read(schema.commits_key(self.cfg.run_id), schema.CommitRecord)
         if commits is None:
             return "the commit records did not answer"
@@ -370,12 +374,12 @@ class SwarmAverager(Averager):
         others = [r for r in self.records.peers() if r.peer_id != self.peer_id]
         backed = policy.backing(others, commits, self.records.anchor())
         committed = policy.certified(self.peer_id, others, commits, get_dht_time(), live_window(self.cfg),
-                                     self.records.ledger.known, backed, own=outer_step).get(got_round)
+                                     self.records.ledger.known, backed, own=outer_step).get(got_outer_step)
         if committed is None:
-            return (f"no hash of round {got_round} is held by half of the live peers, nor by most of ours "
+            return (f"no hash of outer step {got_outer_step} is held by half of the live peers, nor by most of ours "
                     f"(the quorum rule)")
         if committed != got_sha:
-            return f"the swarm committed {committed[:12]} at round {got_round}"
+            return f"the swarm committed {committed[:12]} at outer step {got_outer_step}"
         return None
 
     # ---- shutdown -------------------------------------------------------------------------------------

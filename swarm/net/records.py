@@ -137,15 +137,15 @@ class Records:
         """Our statement backing a record at (outer_step, sha256): that of the commit, if we signed it."""
         statements = self.ledger.statements
         last = statements[-1] if statements else None
-        return last if last is not None and (last.round, last.sha256) == (outer_step, sha256) else None
+        return last if last is not None and (last.outer_step, last.sha256) == (outer_step, sha256) else None
 
     def _confirm(self, future: concurrent.futures.Future, what: str, wait: bool,
                  then: Optional[Callable[[], None]] = None, superseded: Callable[[], bool] = lambda: False) -> None:
         """Warn if the DHT did not take `what` (unless refused as `superseded` by a later store of ours), then
         run `then`: here, waiting at most request_timeout, with `wait`; else when the DHT answers. The
-        heartbeat never waits: while a round's all-reduce filled a slow link a store took seconds, and a ready
+        heartbeat never waits: while an outer step's all-reduce filled a slow link a store took seconds, and a ready
         record queued behind it let a faster peer's group close before the stragglers that it should have cut
-        short arrived (a round split in two groups)."""
+        short arrived (an outer step split in two groups)."""
         def confirmed(done: concurrent.futures.Future) -> None:
             self._storing.discard(done)
             if not done.cancelled() and not self._stopping.is_set():  # stopping: the DHT may be gone first
@@ -178,9 +178,9 @@ class Records:
         statement of the commit (`sign`) go to the ledger, for our records and our readings of others'."""
         signing, self._signing = self._signing, None
         statement = None
-        if signing is not None and signing.round == snapshot.round:
+        if signing is not None and signing.outer_step == snapshot.outer_step:
             statement = signing.copy(update={"sha256": snapshot.sha256})
-        self.ledger.hold(snapshot.round, snapshot.sha256, statement)
+        self.ledger.hold(snapshot.outer_step, snapshot.sha256, statement)
         self._committed = snapshot.sha256
         with self._commit_lock:
             self._offered = snapshot
@@ -206,7 +206,7 @@ class Records:
 
     def _store_commit(self, snapshot: Snapshot, wait: bool = True) -> None:
         now = get_dht_time()
-        record = schema.CommitRecord(name=self.peer_name, round=snapshot.round, sha256=snapshot.sha256, time=now,
+        record = schema.CommitRecord(name=self.peer_name, round=snapshot.outer_step, sha256=snapshot.sha256, time=now,
                                      work=self._work, statements=list(self.ledger.statements))
         with self._dht_lock:
             future = self.dht.store(schema.commits_key(self.cfg.run_id), self.hooks.commit(record.dict()),
@@ -217,7 +217,7 @@ class Records:
             with self._commit_lock:
                 if self._offered is snapshot and not self.cfg.client_mode:
                     self.server.snapshot = snapshot
-        self._confirm(future, f"commit record of round {snapshot.round}", wait, then=serve)
+        self._confirm(future, f"commit record of outer step {snapshot.outer_step}", wait, then=serve)
 
     def _heartbeat(self) -> None:
         """Store our record when the trainer published a new one, and re-store it every progress_interval
@@ -283,12 +283,12 @@ class Records:
             return policy.Position(policy.Verdict.UNSURE, outer_step, None, None, note="commit records unreadable")
         peers = self.peers()
         if outer_step == 0:  # the run's founders: live at outer step 0 with us (ledger.found)
-            self.ledger.found(r.peer_id for r in peers if r.round == 0
+            self.ledger.found(r.peer_id for r in peers if r.outer_step == 0
                               and policy.is_live(r, get_dht_time(), live_window(self.cfg)))
         position = policy.assess(self.peer_id, outer_step, sha256, peers, records, get_dht_time(),
                                  live_window(self.cfg), self.ledger.known, self.anchor() if commits else None)
         for peer in position.ignored:
-            self.access.note("ignored_claim", peer, "claims a round more than one past the swarm's majority")
+            self.access.note("ignored_claim", peer, "claims an outer step more than one past the swarm's majority")
         self.ledger.remember(dict(position.credit))
         for peer in position.uncertified:
             self.access.note("uncertified_claim", peer, f"claims an outer step past {outer_step} on a hash no group "

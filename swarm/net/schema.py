@@ -9,6 +9,11 @@ Every record is owned and signed (identity.py): its subkey is the writer's owner
 checked by every DHT node that stores it and every peer that reads it). `read_owned` derives each record's
 peer id from that key, so a peer can only ever speak for itself.
 
+Wire names: the records keep the field names every version of the protocol stores and reads. `round` in
+`Statement`, `ProgressRecord` and `CommitRecord`, and in a state manifest (statesync.py), is a count of outer steps
+(swarm/__init__.py: with `diloco.fragments` F a round holds F of them); each record reads it as `.outer_step`, and
+the code and its logs say outer step (`WIRE_NAMES`).
+
 - `{run_id}_progress`  dictionary, subkey = owner marker, value = `ProgressRecord.dict()`;
   re-stored by the peer's heartbeat every `progress_interval`, expires `cfg.progress_expiration` after it
   was written. Liveness is read from its `time` (`policy.py`), expiry only removes the dead. Its optional
@@ -16,9 +21,9 @@ peer id from that key, so a peer can only ever speak for itself.
   watchers only (`swarm monitor`, swarm/monitor/): no peer decides anything on them. Each defaults to None
   (not known yet); a peer always stores every field, so the DHT's strict check (`parse_obj(v).dict() ==
   v`) holds, and a non-finite number is stored as None (NaN != NaN would fail that check).
-- `{run_id}_commits`   dictionary, subkey = owner marker, value = `CommitRecord.dict()`: the last round each peer
+- `{run_id}_commits`   dictionary, subkey = owner marker, value = `CommitRecord.dict()`: the last outer step each peer
   committed or downloaded and its hash; kept `RUN_RECORD_EXPIRATION`, long after the peer left, so a peer
-  that comes back late knows how far the swarm got (and never trains on alone from an older round). It carries
+  that comes back late knows how far the swarm got (and never trains on alone from an older outer step). It carries
   the peer's signed `Statement`s of its last `STATEMENTS` commits (its progress record the last one, so that a
   claim and what backs it arrive together): the certificates the quorum counts votes by (certificates.py).
 - `{run_id}_run`       dictionary, subkey = owner marker, value = `RunRecord.dict()`: the run fingerprint
@@ -35,7 +40,7 @@ peer id from that key, so a peer can only ever speak for itself.
   `{run_id}_run`) and whose config reproduces it (swarm/net/manifest.py). Kept `RUN_RECORD_EXPIRATION`.
 - `{run_id}_leases`    dictionary, subkey = owner marker, value = `LeaseRecord.dict()`: the data shard each peer
   holds and how far it read it (swarm/data/leases.py is the policy, swarm/net/leases.py the store and reads).
-  Stored when a peer takes a shard and re-stored at every round's close. A lease is live while its `time`
+  Stored when a peer takes a shard and re-stored at every outer step's close. A lease is live while its `time`
   is within the live window or its owner's progress record is live (`config.live_window`): a dead peer's
   lease expires with its heartbeat. The record itself is kept `RUN_RECORD_EXPIRATION`, so that the samples
   drawn from each shard are known after its holder left (newcomers take the least-used free shard) and a
@@ -47,7 +52,7 @@ peer id from that key, so a peer can only ever speak for itself.
   only its latest). A private swarm (`swarm.auth: allowlist`) does not advertise itself. Kept
   `RUN_RECORD_EXPIRATION`; `swarm runs` shows at most `MAX_RUNS_SHOWN` runs, live ones first.
 
-Matchmaking keys are hivemind's own (`{run_id}_{fingerprint}.0b<round bits>`, see matchmaking.py);
+Matchmaking keys are hivemind's own (`{run_id}_{fingerprint}.0b<outer step bits>`, see matchmaking.py);
 P2P stream names are built by `handler_name()`.
 
 Numbers use strict pydantic types: `SchemaValidator` rejects any record that needs a type conversion.
@@ -104,22 +109,30 @@ Name = constr(max_length=MAX_NAME, strict=True)
 Work = conint(ge=0, lt=2**64, strict=True)  # the nonce of the owner's proof of work (work.py); 0 without
 
 
+WIRE_NAMES = {"outer_step": "round"}
+"""What the code calls a record's field -> its name on the wire (module docstring); each record with the field has
+the code's name as a read-only property."""
+
 STATEMENTS = 16
 """Statements a peer keeps in its commit record: its last commits, the window a certificate chain is read over."""
 MAX_GROUP = 4096  # members a statement may name (a group beyond this was not formed by matchmaking)
 
 
 class Statement(BaseModel):
-    """One member's signature in a round's certificate (certificates.py): "I committed outer step `round`, from
-    the global parameters `parent` to `sha256`, in group `group` of `size` members" (alone: group "", size 1).
+    """One member's signature in an outer step's certificate (certificates.py): "I committed outer step `outer_step`,
+    from the global parameters `parent` to `sha256`, in group `group` of `size` members" (alone: group "", size 1).
     Signed with the record that carries it; the members of one group that sign the same statement, at least half
     of `size`, are its certificate."""
 
-    round: conint(ge=1, strict=True)
+    round: conint(ge=1, strict=True)  # wire name of the outer step (WIRE_NAMES)
     parent: Sha256
     sha256: Sha256
     group: constr(regex=r"^([0-9a-f]{1,128})?$", strict=True)  # the matchmaking group id, hex
     size: conint(ge=1, le=MAX_GROUP, strict=True)
+
+    @property
+    def outer_step(self) -> int:
+        return self.round
 
 
 class ProgressRecord(BaseModel):
@@ -127,17 +140,17 @@ class ProgressRecord(BaseModel):
 
     peer_id: Name
     name: Name
-    round: conint(ge=0, strict=True)  # outer steps this peer's global parameters hold
+    round: conint(ge=0, strict=True)  # wire name of the outer steps this peer's global parameters hold
     inner_step: conint(ge=0, strict=True)
     samples: conint(ge=0, strict=True)
     samples_per_s: confloat(ge=0.0, strict=True)
     time: StrictFloat
     serves_state: StrictBool  # True once the peer has offered a state (it can be a donor)
-    ready: StrictBool = False  # True once it finished this round's inner steps and looks for a group
-    sha256: Sha256 = ""  # hash of its global parameters at `round` ("" not known yet)
+    ready: StrictBool = False  # True once it finished this outer step's inner steps and looks for a group
+    sha256: Sha256 = ""  # hash of its global parameters at `outer_step` ("" not known yet)
     # For watchers (swarm monitor) only; None: not known yet.
     loss: Optional[Finite] = None  # training loss of its last inner step
-    tokens_per_s: Optional[confloat(ge=0.0, strict=True, allow_inf_nan=False)] = None  # over this round's steps
+    tokens_per_s: Optional[confloat(ge=0.0, strict=True, allow_inf_nan=False)] = None  # over this outer step's steps
     bytes_sent: Optional[conint(ge=0, strict=True)] = None  # all-reduce payload since the peer started
     bytes_received: Optional[conint(ge=0, strict=True)] = None
     eval_loss: Optional[Finite] = None  # held-out loss of its global parameters at `eval_round`
@@ -145,17 +158,25 @@ class ProgressRecord(BaseModel):
     work: Work = 0
     statement: Optional[Statement] = None  # its last commit's statement: arrives with the claim it backs
 
+    @property
+    def outer_step(self) -> int:
+        return self.round
+
 
 class CommitRecord(BaseModel):
-    """The last round a peer committed (or downloaded) and the hash of its global parameters then, with the
+    """The last outer step a peer committed (or downloaded) and the hash of its global parameters then, with the
     statements of its last STATEMENTS commits, oldest first (the chain a certificate is read back along)."""
 
     name: Name
-    round: conint(ge=0, strict=True)
+    round: conint(ge=0, strict=True)  # wire name of the outer step (WIRE_NAMES)
     sha256: Sha256
     time: StrictFloat
     work: Work = 0
     statements: conlist(Statement, max_items=STATEMENTS) = []
+
+    @property
+    def outer_step(self) -> int:
+        return self.round
 
 
 class RunRecord(BaseModel):

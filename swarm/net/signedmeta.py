@@ -2,7 +2,7 @@
 honest member's mouth (issue 21, "framing").
 
 hivemind's matchmaking has every follower send its meta to the leader, and the leader hand the whole group's
-metas to every follower: a hostile leader could forge any member's meta (another round, another vector size,
+metas to every follower: a hostile leader could forge any member's meta (another outer step, another vector size,
 a weight) and have the honest members leave every group, or charge each other offenses. Now:
 
 - a member's meta carries `key` (its RSA public key, OpenSSH format: the key its peer id hashes) and `sig`
@@ -13,12 +13,12 @@ a weight) and have the honest members leave every group, or charge each other of
   its member was forged by whoever assembled the group, the leader, which it got the group from over an
   authenticated stream; the leader is charged the offense, never the member whose meta it forged.
 
-What a valid signature proves: that member said that, in this run, for a round it names, in the attempt its
+What a valid signature proves: that member said that, in this run, for an outer step it names, in the attempt its
 fresh nonce marks. It does not bind the meta to one group (the group forms after the member signs): a leader that
 a member once joined could replay that member's meta into another group. If the member is in that group, it
 finds a meta of its own that is not the one it sent for this attempt and charges the leader (`matchmaking`);
 its groupmates, who cannot tell a replay from a member that resent an old meta, leave a group holding a meta of
-an earlier round charging nobody (`matchmaking.misfit`). If the member is not in it, it never shows up, which
+an earlier outer step charging nobody (`matchmaking.misfit`). If the member is not in it, it never shows up, which
 the barrier and the all-reduce's HELLOs catch: that costs the attempt, never an offense of the member.
 Cost: an RSA-2048 signature per attempt (~1 ms), a verification per member (~0.05 ms), ~700 bytes per meta.
 """

@@ -77,12 +77,12 @@ class StateServer:
 
     @staticmethod
     def _read(snapshot: Snapshot, tensor: torch.Tensor, start: int, end: int, committed: bool) -> bytes:
-        """Bytes [start, end) of `tensor`; for the committed tensors, Moved if the round changed meanwhile."""
+        """Bytes [start, end) of `tensor`; for the committed tensors, Moved if the outer step changed meanwhile."""
         if committed and snapshot.current_version() != snapshot.version:
-            raise Moved("this peer's state changed (a new round was committed or a state is loading)")
+            raise Moved("this peer's state changed (a new outer step was committed or a state is loading)")
         data = byte_view(tensor)[start:end].cpu().numpy().tobytes()
         if committed and snapshot.current_version() != snapshot.version:
-            raise Moved("this peer's state changed (a new round was committed or a state is loading)")
+            raise Moved("this peer's state changed (a new outer step was committed or a state is loading)")
         return data
 
     async def _serve(self, channel: Channel) -> None:
@@ -96,7 +96,7 @@ class StateServer:
         try:
             specs = [TensorSpec.of(name, t) for name, t in snapshot.tensors.items()]
             await channel.send_control(Kind.MANIFEST, self.hooks.manifest({
-                "round": snapshot.round, "sha256": snapshot.sha256, "meta": snapshot.meta,
+                "round": snapshot.outer_step, "sha256": snapshot.sha256, "meta": snapshot.meta,
                 "tensors": [[*s.to_list(), s.nbytes] for s in specs]}))
             loop = asyncio.get_running_loop()
             for spec, tensor in zip(specs, snapshot.tensors.values()):
@@ -112,9 +112,9 @@ class StateServer:
 
 
 def _manifest(value: dict) -> tuple[int, str, dict, list[TensorSpec]]:
-    """(round, sha256, meta, specs) of a donor's manifest; StateRefused if anything is malformed."""
-    round, sha, meta, entries = (value.get(k) for k in ("round", "sha256", "meta", "tensors"))
-    if not (isinstance(round, int) and round >= 0 and isinstance(sha, str) and isinstance(meta, dict)
+    """(outer step, sha256, meta, specs) of a donor's manifest; StateRefused if anything is malformed."""
+    outer_step, sha, meta, entries = (value.get(k) for k in ("round", "sha256", "meta", "tensors"))
+    if not (isinstance(outer_step, int) and outer_step >= 0 and isinstance(sha, str) and isinstance(meta, dict)
             and type(meta.get("round")) is int and isinstance(entries, list)):
         raise StateRefused("malformed manifest")
     specs = []
@@ -127,12 +127,12 @@ def _manifest(value: dict) -> tuple[int, str, dict, list[TensorSpec]]:
         except (ValueError, TypeError) as e:
             raise StateRefused(f"manifest entry refused: {e}") from None
         specs.append(spec)
-    return round, sha, meta, specs
+    return outer_step, sha, meta, specs
 
 
 async def download(p2p: P2P, peer: PeerID, name: str, stall: float, min_bandwidth: float, intake: Intake,
                    check: Callable[[int, str], Optional[str]], pool: concurrent.futures.Executor) -> Download:
-    """Take `peer`'s state into `intake`. `check(round, sha256)` returns why a state of that round and hash
+    """Take `peer`'s state into `intake`. `check(outer_step, sha256)` returns why a state of that outer step and hash
     must not be taken (None: take it); it runs in `pool`, since it may block (DHT reads). Raises StateRefused
     or a WireError."""
     start = time.monotonic()
@@ -141,10 +141,10 @@ async def download(p2p: P2P, peer: PeerID, name: str, stall: float, min_bandwidt
         await channel.send_control(Kind.HELLO, {})
         loop = asyncio.get_running_loop()
         channel.deadline = loop.time() + FIRST_FRAME_STALLS * stall  # a donor must not trickle its manifest
-        round, sha, meta, specs = _manifest(await channel.recv_control())
-        reason = await loop.run_in_executor(pool, check, round, sha)  # it may read the DHT: not on this loop
+        outer_step, sha, meta, specs = _manifest(await channel.recv_control())
+        reason = await loop.run_in_executor(pool, check, outer_step, sha)  # it may read the DHT: not on this loop
         if reason is not None:
-            raise StateRefused(f"round {round} hash {sha[:12]}: {reason}")
+            raise StateRefused(f"outer step {outer_step} hash {sha[:12]}: {reason}")
         try:
             targets = intake.destinations(specs)
         except ValueError as e:
@@ -176,9 +176,9 @@ async def download(p2p: P2P, peer: PeerID, name: str, stall: float, min_bandwidt
             raise StateForged(f"its global parameters, outer momentum and rounds closed hash to {got_sha[:12]}, not "
                               f"the announced {sha[:12]}")
         try:
-            intake.accept(meta, round)
+            intake.accept(meta, outer_step)
         except ValueError as e:
             raise StateRefused(str(e)) from None
-        return Download(round, str(peer), channel.traffic.received, time.monotonic() - start, got_sha)
+        return Download(outer_step, str(peer), channel.traffic.received, time.monotonic() - start, got_sha)
     finally:
         channel.close()

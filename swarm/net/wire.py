@@ -12,7 +12,7 @@ it sent, not what it announced.
 Time-outs follow progress, not the whole operation:
 - `stall`: a read or write that moves no byte for this long raises `Stalled`. Raise
   `swarm.stall_timeout` if you see "stalled" on a link that is slow but alive; lower it if a dead peer
-  holds a round up for too long.
+  holds an outer step up for too long.
 - The floor on bandwidth (`swarm.min_bandwidth`) is enforced by the caller around a whole transfer
   (`budget.transfer_deadline`), since only it knows how many bytes the transfer has to move.
 - An incoming stream's first frame (its HELLO, a few hundred bytes sent in one write) must be whole within

@@ -1,7 +1,7 @@
 """Proof of work on a peer's key (`swarm.identity_work: BITS`): what makes an identity cost something.
 
 A peer id is free (a fresh RSA key), so any vote counted per peer id (the run's fingerprint, manifest
-copies, the hash of a round in progress and commit records, a seat in a group) can be outnumbered by one
+copies, the hash of an outer step in progress and commit records, a seat in a group) can be outnumbered by one
 machine minting identities. With `identity_work` B > 0 a peer id counts only with a nonce such that
 sha256(public key || nonce as 8 bytes, big-endian) starts with B zero bits, where the public key is the one
 in the owner marker of its records (`[owner:ssh-rsa ...]`, identity.py). A peer finds its nonce once per

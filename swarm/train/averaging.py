@@ -60,7 +60,7 @@ class PeerStats:
 class Download:
     """A state this peer took from a donor."""
 
-    round: int
+    outer_step: int
     donor: str  # peer id
     bytes: int
     seconds: float
@@ -69,10 +69,10 @@ class Download:
 
 @dataclass
 class Snapshot:
-    """What a donor serves at `round` outer steps committed: live tensors, read under the `DiLoCo.version` seqlock
+    """What a donor serves at `outer_step` outer steps committed: live tensors, read under the `DiLoCo.version` seqlock
     (a read that sees the version move is abandoned: the donor committed again or is loading a state)."""
 
-    round: int
+    outer_step: int
     sha256: str  # the state's hash (swarm/state/statehash.py), as committed
     meta: dict[str, Any]  # JSON-able scalars: schedule position, learning rates
     tensors: dict[str, torch.Tensor]  # state.shared_tensors(), in order

@@ -57,7 +57,7 @@ def test_peer_killed_mid_allreduce_survivors_do_not_hang(bootstrap, peers):
     stall = 5.0
     victim = peers.start("victim", bootstrap, seed=0, samples=1, numel=300_000, mode="victim", stall_timeout=stall)
     jobs = [peers.start(f"p{i}", bootstrap, seed=i, samples=1, numel=300_000, stall_timeout=stall) for i in (1, 2)]
-    round_deadline = budget.round_deadline(2 * 4 * 300_000, fast_cfg(stall_timeout=stall))
+    outer_step_deadline = budget.outer_step_deadline(2 * 4 * 300_000, fast_cfg(stall_timeout=stall))
     peers.go()
     deadline = time.monotonic() + 40
     while not Path(victim["marker"]).exists():
@@ -70,7 +70,7 @@ def test_peer_killed_mid_allreduce_survivors_do_not_hang(bootstrap, peers):
     # each survivor's first all-reduce (the one with the victim) stalled out within stall_timeout + slack
     for result in results:
         assert result["allreduce_s"][0] <= stall + 2.0
-    assert time.monotonic() - killed_at < round_deadline + 10.0  # bounded by the round's deadline, never a hang
+    assert time.monotonic() - killed_at < outer_step_deadline + 10.0  # bounded by the round's deadline, never a hang
     done = [o for o in outcomes if o["averaged"] is not None]
     if len(done) == 2:  # the survivors retried together: identical, and exactly their mean
         check_identical_mean(peers, results, jobs, tol=1e-6)

@@ -134,7 +134,7 @@ def test_sybil_quorum_steers_no_newcomer():
     honest, sybils, done = sybil_quorum()
     newcomer = record("n", 0, "", serves=False)
     position = assess("n", 0, "", [newcomer, *honest, *sybils], done, NOW, WINDOW, anchor=Anchor({}))
-    assert (position.verdict, position.swarm_round, position.swarm_sha256) == (Verdict.BEHIND, 3, H[3])
+    assert (position.verdict, position.swarm_outer_step, position.swarm_sha256) == (Verdict.BEHIND, 3, H[3])
     assert position.donors == tuple(sorted(HONEST))
 
 

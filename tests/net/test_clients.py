@@ -69,7 +69,7 @@ def test_a_client_meta_fits_a_group_and_misfits_are_named():
     metas = {"a": GroupMeta(round=4, nonce="0" * 16, token=2.0),
              "b": GroupMeta(round=4, nonce="1" * 16, token=2.0, client=True)}
     assert misfit(4, metas, metas["a"]) is None  # audits reach a client on the stream it opens (audit.offer)
-    assert misfit(5, metas, metas["a"]) == ("round 5: a, b sent metadata of another round", [])  # a replay?
+    assert misfit(5, metas, metas["a"]) == ("outer step 5: a, b sent metadata of another outer step", [])  # a replay?
     assert misfit(3, metas, metas["a"])[1] == ["a", "b"]  # a later round's meta: only its member signed it
     other = dict(metas, c=GroupMeta(round=4, nonce="2" * 16, token=2.0, numel=7))
     assert misfit(4, other, metas["a"])[1] == ["c"]  # the one whose signed size differs
@@ -169,7 +169,7 @@ def test_a_client_records_its_commits_but_never_serves_its_state(client):
     averager = object.__new__(SwarmAverager)  # its records and a stand-in for its publish_progress, no network
     vars(averager).update(cfg=cfg, peer_id="me", records=records,
                           publish_progress=lambda *a, **k: published.append(k["sha256"]))
-    snapshot = SimpleNamespace(round=2, sha256="ab" * 32)
+    snapshot = SimpleNamespace(outer_step=2, sha256="ab" * 32)
     averager.offer_state(snapshot)
     assert dht.stored == [] and records.serving is None and records.commit_pending
     averager.finish(2, "ab" * 32)

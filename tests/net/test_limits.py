@@ -273,7 +273,7 @@ def test_a_state_download_checks_the_donor_s_claim_off_the_network_loop():
         pool.shutdown()
         return got, beats
     got, beats = asyncio.run(main())
-    assert got.round == 5 and torch.equal(target, weights) and accepted == [({"round": 1, "step": 1}, 5)]
+    assert got.outer_step == 5 and torch.equal(target, weights) and accepted == [({"round": 1, "step": 1}, 5)]
     assert checked_on and checked_on[0] is not threading.main_thread() and beats >= 5
 
 

@@ -78,9 +78,9 @@ def test_others_ready_only_counts_live_groupmates_on_our_hash():
 def test_the_swarm_round_and_its_hash_come_from_live_records_and_commits():
     me = progress(ME, 3)
     position = assess(ME, 3, A, [me, progress("p", 4, B)], {"x": commit(6, C), "y": commit(6, C)}, NOW, WINDOW)
-    assert position.swarm_round == 4 and position.swarm_sha256 == B  # others live: their word, not the commits
+    assert position.swarm_outer_step == 4 and position.swarm_sha256 == B  # others live: their word, not the commits
     position = assess(ME, 3, A, [me], {"x": commit(6, C), "y": commit(6, C)}, NOW, WINDOW)
-    assert position.swarm_round == 6 and position.swarm_sha256 == C  # nobody else live: the commits
+    assert position.swarm_outer_step == 6 and position.swarm_sha256 == C  # nobody else live: the commits
     tally = votes([progress("p", 4, B), progress("q", 4, C, age=60)], {"q": commit(4, C), "r": commit(4, C)},
                   NOW, WINDOW)
     assert winner(tally[4]) == C  # one vote per peer: p live (B); q and r by their commits (C, C)
@@ -108,7 +108,7 @@ CLAIMS = [
 @pytest.mark.parametrize("situation,others,commits,swarm_round,verdict", CLAIMS, ids=[row[0] for row in CLAIMS])
 def test_implausible_round_claims_are_ignored(situation, others, commits, swarm_round, verdict):
     position = assess(ME, 3, A, [progress(ME, 3), *others], commits, NOW, WINDOW)
-    assert (position.swarm_round, position.verdict) == (swarm_round, verdict), position.note
+    assert (position.swarm_outer_step, position.verdict) == (swarm_round, verdict), position.note
     assert "evil" not in position.donors
 
 

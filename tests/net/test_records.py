@@ -13,6 +13,7 @@ from swarm.config import SwarmConfig
 from swarm.net import schema
 from swarm.net.access import Access
 from swarm.net.hostile import Hooks
+from swarm.net.matchmaking import GroupMeta
 from swarm.net.records import Records
 
 
@@ -54,7 +55,7 @@ def test_the_trainer_and_the_heartbeat_never_wait_for_the_dht():
     dht = _SilentDHT()
     records = _records(dht)
     records.start()
-    snapshot = SimpleNamespace(round=3, sha256="ab" * 32)
+    snapshot = SimpleNamespace(outer_step=3, sha256="ab" * 32)
     records.offer_state(snapshot)
     records.publish_progress(3, 7, 56, 1.0, ready=True, sha256="ab" * 32)
     stored_steps = lambda: [value["inner_step"] for key, value in dht.stored if "inner_step" in value]  # noqa: E731
@@ -76,7 +77,7 @@ def test_a_state_is_served_once_its_commit_record_is_confirmed_later():
     the state (hivemind answers only futures someone still holds: the peer keeps them until answered)."""
     dht = _LateDHT()
     records = _records(dht)
-    snapshot = SimpleNamespace(round=3, sha256="ab" * 32)
+    snapshot = SimpleNamespace(outer_step=3, sha256="ab" * 32)
     records.offer_state(snapshot)
     records.flush_commit(wait=False)
     gc.collect()
@@ -108,3 +109,17 @@ def test_a_live_peer_s_record_that_one_read_misses_is_still_there():
     assert sorted(second) == ["a", "b", "old"] and second["a"].time > second["b"].time  # the newer of a's
     threading.Event().wait(0.3)  # old's record ages out of the window: remembered no longer
     assert sorted(r.peer_id for r in records.peers()) == ["a", "b"]
+
+
+def test_the_records_keep_their_wire_names_and_read_them_as_outer_steps():
+    """schema.WIRE_NAMES: a record's field keeps the name every version stores (`round`), and the code reads it by
+    the glossary's word (`outer_step`)."""
+    statement = schema.Statement(round=3, parent="a" * 64, sha256="b" * 64, group="", size=1)
+    progress = schema.ProgressRecord(peer_id="p", name="n", round=3, inner_step=0, samples=0, samples_per_s=0.0,
+                                     time=1.0, serves_state=True, statement=statement)
+    commit = schema.CommitRecord(name="n", round=3, sha256="b" * 64, time=1.0, statements=[statement])
+    meta = GroupMeta(round=3, nonce="0" * 16, token=1.0)
+    for record in (statement, progress, commit, meta):
+        wire = record.dict()
+        for code, name in schema.WIRE_NAMES.items():
+            assert getattr(record, code) == wire[name] == 3 and code not in wire, type(record).__name__

@@ -116,7 +116,7 @@ def test_a_newcomer_takes_the_committed_state_tensor_by_tensor(pair):
     donor.train_rounds(3)
     donor.publish()
     got = newcomer.fetch()
-    assert got.round == 3 and newcomer.diloco.round == 3 and newcomer.step == 3
+    assert got.outer_step == 3 and newcomer.diloco.round == 3 and newcomer.step == 3
     assert got.bytes > sum(t.numel() * t.element_size() for t in served_tensors(donor.diloco).values())
     assert newcomer.diloco.global_sha256() == donor.diloco.global_sha256()
     mine, theirs = served_tensors(newcomer.diloco), served_tensors(donor.diloco)
@@ -133,7 +133,7 @@ def test_a_newcomer_that_took_the_state_is_a_groupmate_at_once(pair):
     donor, newcomer = pair
     donor.train_rounds(2)
     donor.publish()
-    assert newcomer.fetch().round == 2
+    assert newcomer.fetch().outer_step == 2
     position = donor.averager.records.assess(2, donor.diloco.global_sha256())
     assert position.verdict is Verdict.AVERAGE and position.expected_group == 2, position.note
 
@@ -143,7 +143,7 @@ def _download(newcomer: Peer, donor: Peer, check=lambda r, h: None) -> int:
     averager = newcomer.averager
     coro = statesync.download(averager.p2p, donor.averager.p2p.peer_id, averager.server.name, 2.0, 1e6,
                               newcomer.intake(), check, averager.pool)
-    return averager.call(coro, 30).round
+    return averager.call(coro, 30).outer_step
 
 
 @pytest.mark.timeout(60)
@@ -187,7 +187,7 @@ def test_behind_with_no_donor_stops_naming_the_round_the_swarm_reached(pair):
     newcomer.publish()
     time.sleep(live_window(donor.averager.cfg))  # gone: its commit record is what tells how far the swarm got
     start = time.monotonic()
-    with pytest.raises(SwarmError, match="the swarm reached round 4 .* this peer holds round 0"):
+    with pytest.raises(SwarmError, match="the swarm reached outer step 4 .* this peer holds outer step 0"):
         newcomer.fetch()
     assert time.monotonic() - start < 5 * 0.2 + 2 * 1.0 + 2.0 + 3.0  # live window + stall_timeout + slack
 
@@ -226,7 +226,7 @@ def test_a_finished_peer_serves_its_state_until_peers_behind_caught_up(pair):
     finisher.start()
     time.sleep(2.0)  # the laggard learns it is behind only after its next matchmaking
     assert finisher.is_alive(), "the finished peer left while a live peer was behind"
-    assert newcomer.fetch().round == 3
+    assert newcomer.fetch().outer_step == 3
     newcomer.publish()  # caught up: nobody is behind any more
     finisher.join(10)
     assert not finisher.is_alive() and time.monotonic() - start < 2.0 + 5.0
@@ -314,7 +314,7 @@ def test_a_peer_on_the_minority_s_parameters_takes_the_majority_s_state_at_once(
     outcome = loser.averager.average(3, loser.diloco.pseudo_gradient(), 1, loser.diloco.outer_grads(),
                                      loser.diloco.global_sha256())
     assert outcome.averaged is None and outcome.behind and outcome.donors == [winner.averager.peer_id], outcome.note
-    assert loser.fetch().round == 3 and loser.diloco.global_sha256() == winner.diloco.global_sha256()
+    assert loser.fetch().outer_step == 3 and loser.diloco.global_sha256() == winner.diloco.global_sha256()
 
 
 @pytest.mark.timeout(60)
@@ -338,7 +338,7 @@ def test_a_refused_state_is_logged_naming_the_donor_and_the_next_attempt_is_made
             return manifest
     donor.averager.server.hooks = ForgesOnce()
     with caplog.at_level(logging.WARNING, logger="swarm.net.peer"):
-        assert newcomer.fetch().round == 2
+        assert newcomer.fetch().outer_step == 2
     assert f"state from {donor.averager.peer_id} refused" in caplog.text and "bytes announced" in caplog.text
     assert newcomer.diloco.global_sha256() == donor.diloco.global_sha256()
 
@@ -361,7 +361,7 @@ def test_a_donor_serving_poisoned_momentum_under_its_hash_is_refused_by_name_and
     ids = [p.averager.peer_id for p in (poisoner, honest)]
     with caplog.at_level(logging.WARNING, logger="swarm.net.peer"):
         got = newcomer.fetch(donors=ids)  # the poisoner first
-    assert got.donor == honest.averager.peer_id and got.round == 2
+    assert got.donor == honest.averager.peer_id and got.outer_step == 2
     refused = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"state from {ids[0]} refused")]
     assert refused and "outer momentum" in refused[0] and "hash to" in refused[0], caplog.text
     assert not any(r.getMessage().startswith(f"state from {ids[1]} refused") for r in caplog.records)

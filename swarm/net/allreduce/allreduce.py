@@ -399,8 +399,8 @@ class AllReduce(GroupSlots):
                 await agree.take_done(group, i, done)
         except AllReduceFailed as e:
             await group.fail(str(e), e.culprit)
-        except PeerFailed as e:  # with verify_parts: its audit failed (audit.py), so must the round
-            await audit.refused(group, f"a groupmate refused the round: {e}", e.culprit)
+        except PeerFailed as e:  # with verify_parts: its audit failed (audit.py), so must the outer step
+            await audit.refused(group, f"a groupmate refused the outer step: {e}", e.culprit)
         except ProtocolError as e:
             logger.warning(f"all-reduce: {channel.peer} sent more than its part: {e}")
         except WireError:

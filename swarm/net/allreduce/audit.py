@@ -12,12 +12,12 @@ chunk noticing:
    encodes it again from its tensors; codecs are deterministic, so these are the bytes it sent), and
    - a digest of its own contribution that differs: the owner misreported it -> culprit: the owner;
    - another member's digest that differs: that member or the owner lies; m cannot tell which, so the
-     round fails with no culprit;
+     outer step fails with no culprit;
    - the recomputed average's bytes differ from the owner's: "part j: owner X returned a wrong average"
      -> culprit: the owner.
 3. A member sends DONE to the owners only once its audit passed, FAIL otherwise; with verify_parts every
    member returns from the all-reduce only after every groupmate sent DONE (or left): one member's
-   detection fails the round for all, none commits a wrong average.
+   detection fails the outer step for all, none commits a wrong average.
 
 Detection: an owner that falsifies c of the K chunks of its part passes one auditor with probability
 1 - c/K, so the n-1 auditors catch it with probability 1 - (1 - c/K)^(n-1): 1 if it falsifies every chunk
@@ -30,13 +30,13 @@ agreement on signed digests (agree.py, on whenever members' keys are known) catc
 certainty, whatever it falsifies. What the audit still adds is the owner that sends every member the same
 wrong average (the way to dictate the part): the digests agree then, and only a recomputation sees it.
 
-Cost per member and round: (n-1)^2 contribution chunks fetched (n-1 parts, each from the n-1 others, the
+Cost per member and outer step: (n-1)^2 contribution chunks fetched (n-1 parts, each from the n-1 others, the
 owner included) and as many served, n-1 chunks recomputed, 16 n bytes of digests per result chunk. Against
 the all-reduce's 2 (n-1)/n V: measured +26 % received at 3M fp32 elements and n = 3 (4 chunks of 1 MiB on
 16 MB), and by the formula +5 % for a 150M-parameter fp32 model at n = 8, +11 % for 1.1B at n = 32 (it
 grows as n^2 chunks against V). Not covered: a part taken from a groupmate after its owner was lost
 (repair.py: no digests, not audited); a contributor that does not answer the fetch (that part goes
-unchecked, logged); and a CPU whose float rounding differs (a false alarm, the round retried).
+unchecked, logged); and a CPU whose float rounding differs (a false alarm, the outer step retried).
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ async def take_offer(group: Optional[GroupState], channel: Channel) -> None:
         async with asyncio.timeout_at(group.ends_at):
             await group.wait_for(lambda: group.audited, None, "audit")
     except (TimeoutError, AllReduceFailed):
-        return  # our audit or our round ended without passing: run() says why; this stream just closes
+        return  # our audit or our outer step ended without passing: run() says why; this stream just closes
 
 
 async def check_part(slots: GroupSlots, group: GroupState, j: int) -> None:
@@ -215,7 +215,7 @@ async def check_part(slots: GroupSlots, group: GroupState, j: int) -> None:
 
 async def audit(slots: GroupSlots, group: GroupState) -> None:
     """Check every part we took from its owner; on a failure tell every owner (FAIL) before anything else.
-    A groupmate's failed audit fails the round only after ours is done: our own finding names the culprit,
+    A groupmate's failed audit fails the outer step only after ours is done: our own finding names the culprit,
     a groupmate's word never does."""
     await group.wait_for(group.complete, None, "audit")
     try:
@@ -234,7 +234,7 @@ async def audit(slots: GroupSlots, group: GroupState) -> None:
 
 
 async def refused(group: GroupState, reason: str, culprit: Optional[PeerID]) -> None:
-    """A groupmate's audit (or its round) failed: it sent FAIL where DONE was due, naming `culprit`."""
+    """A groupmate's audit (or its outer step) failed: it sent FAIL where DONE was due, naming `culprit`."""
     if group.audited or not group.rule.verify:
         await group.fail(reason, culprit, TOLD)
     else:

@@ -2,7 +2,7 @@
 
 An audit (audit.py) compares what member i sends the auditor for chunk k of part j with the digest that owner j
 committed of what i sent it. When they differ, either i answers the audit with other bytes than it sent, or j
-committed a digest of bytes i never sent; without more, the auditor cannot tell which, and the round failed
+committed a digest of bytes i never sent; without more, the auditor cannot tell which, and the outer step failed
 with nobody to blame (a member could fail every attempt unnamed). So, with the members' keys (agree.py):
 
 1. After its last chunk of part j, member i sends owner j `Kind.DIGEST`: a hash of the digests of its chunks as
@@ -14,7 +14,7 @@ with nobody to blame (a member could fail every attempt unnamed). So, with the m
    An owner that gives no evidence (an honest one holds it for every member whose chunks it took) is named
    as seen (SEEN: out of our groups for this attempt, no offense, since it may only have died).
 
-Cost: one signature per member and part it pushes (n-1 per member and round), one verification per member at
+Cost: one signature per member and part it pushes (n-1 per member and outer step), one verification per member at
 each owner, 16 bytes per chunk kept at the owner; nothing else moves unless an audit disagrees.
 """
 

@@ -1,6 +1,6 @@
 """The one hash of the all-reduce's bytes: BLAKE3, cut to 16-byte digests.
 
-Every byte of a round is hashed at least twice (an owner's results, and each member's copy of them for the
+Every byte of an outer step is hashed at least twice (an owner's results, and each member's copy of them for the
 agreement: agree.py; each contribution chunk for the audit: audit.py), so the hash is on the exchange's
 critical path: BLAKE3 is several times faster than BLAKE2b per core (the measurements: bench/results/README.md,
 section 12).

@@ -4,7 +4,7 @@ An owner that died after serving some members must not split the group into comm
 any member holding part j's whole average serves it, in fp32, to a groupmate that asks (`serve_repair`),
 until every groupmate is settled or `stall` s passed (`AllReduce._linger`). A member that lost the same owner
 before it held the whole part says so at once: when the owner died before anyone held its average (the common
-case: it dies while it reduces), every member then fails the attempt within a round trip and retries, instead of
+case: it dies while it reduces), every member then fails the attempt within an round trip and retries, instead of
 each waiting out `stall` for a groupmate that waits for it in turn.
 """
 

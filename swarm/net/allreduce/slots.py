@@ -69,7 +69,7 @@ class GroupSlots:
 
     async def drain(self) -> int:
         """Wait until every complete group has been left by its groupmates (each at most `stall` s); return
-        how many were still held. A member leaving right after its last round still serves it meanwhile."""
+        how many were still held. A member leaving right after its last outer step still serves it meanwhile."""
         pending = list(self._serving)
         if pending:
             await asyncio.wait(pending)
