@@ -23,7 +23,7 @@ import torch
 from peers.forkserver import ForkServer
 from swarm.config import Config
 from swarm.run.configfile import load_config
-from swarm.train.averaging import RoundOutcome, SoloAverager
+from swarm.train.averaging import ExchangeOutcome, SoloAverager
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -268,5 +268,5 @@ class DiscardsOnce(SoloAverager):
     def average(self, round, pseudo_grad, samples, out, base=""):
         if round == self.round and not self.discarded:
             self.discarded = True
-            return RoundOutcome(None, note="injected discard")
+            return ExchangeOutcome(None, note="injected discard")
         return super().average(round, pseudo_grad, samples, out, base)

@@ -7,7 +7,7 @@ import torch
 from swarm.net.allreduce.layout import part_bounds
 from swarm.net.codec import get_codec
 from swarm.state.peerstate import StateNames, shared_tensors
-from swarm.train.averaging import Averager, RoundOutcome
+from swarm.train.averaging import Averager, ExchangeOutcome
 from swarm.train.diloco import PseudoGradient
 from swarm.train.trainer import Trainer
 from tests.conftest import tiny_config
@@ -62,7 +62,7 @@ class ResidualAverager(Averager):
         for o, t in zip(out, self.sent[-1]):
             o.copy_(t)
         residual = [torch.full_like(t, 0.001 * (round + 1)) for t in out]
-        return RoundOutcome(out, total_samples=samples, residual=residual)
+        return ExchangeOutcome(out, total_samples=samples, residual=residual)
 
 
 @pytest.mark.timeout(120)

@@ -8,7 +8,7 @@ from peers.local_trainers import simulate
 from swarm.config import ConfigError
 from swarm.data.batches import TrainBatches, load_corpus
 from swarm.state.peerstate import TensorSpec
-from swarm.train.averaging import Download, RoundOutcome, SoloAverager
+from swarm.train.averaging import Download, ExchangeOutcome, SoloAverager
 from swarm.train.fragments import partition, sync_steps
 from swarm.train.inner import lr_lambda
 from swarm.train.model import build_model
@@ -230,7 +230,7 @@ class BehindMidRound(Offers):
 
     def average(self, round, pseudo_grad, samples, out, base=""):
         if round == self.behind_at and not self.taken:
-            return RoundOutcome(None, behind=True, note="behind (injected)")
+            return ExchangeOutcome(None, behind=True, note="behind (injected)")
         return super().average(round, pseudo_grad, samples, out, base)
 
     def fetch_state(self, intake, round, sha256, donors=None, must=False):

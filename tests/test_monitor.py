@@ -25,7 +25,7 @@ from swarm.monitor.server import _handler
 from swarm.net import schema
 from swarm.net.identity import load_identity
 from swarm.net.schema import CommitRecord, ProgressRecord
-from swarm.train.averaging import PeerStats, RoundOutcome, SoloAverager
+from swarm.train.averaging import ExchangeOutcome, PeerStats, SoloAverager
 from swarm.train.trainer import Trainer
 
 WINDOW = 10.0
@@ -230,7 +230,7 @@ class Watched(SoloAverager):
     def __init__(self):
         self.published: list[tuple[int, PeerStats]] = []
 
-    def average(self, *args, **kwargs) -> RoundOutcome:
+    def average(self, *args, **kwargs) -> ExchangeOutcome:
         return dataclasses.replace(super().average(*args, **kwargs), bytes_sent=100, bytes_received=70)
 
     def publish_progress(self, round, inner_step, samples, samples_per_s, ready=False, sha256="", stats=None):

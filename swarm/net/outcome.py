@@ -13,7 +13,7 @@ from swarm.net.allreduce import WireLayout
 from swarm.net.matchmaking import Group
 from swarm.net.wire import Traffic
 from swarm.tensors import Buffers
-from swarm.train.averaging import RoundOutcome
+from swarm.train.averaging import ExchangeOutcome
 from swarm.train.diloco import PseudoGradient
 
 
@@ -37,23 +37,23 @@ class Averaging:
     def elapsed(self) -> float:
         return time.monotonic() - self.start
 
-    def behind(self, donors: list[str], note: str) -> RoundOutcome:
+    def behind(self, donors: list[str], note: str) -> ExchangeOutcome:
         """The swarm moved past us or holds other parameters: take its state (from `donors`), average nothing."""
-        return RoundOutcome(None, comm_s=self.elapsed(), behind=True, donors=donors, note=note)
+        return ExchangeOutcome(None, comm_s=self.elapsed(), behind=True, donors=donors, note=note)
 
-    def alone(self) -> RoundOutcome:
+    def alone(self) -> ExchangeOutcome:
         """Our own pseudo-gradient as the outer step's average."""
         Buffers.of(self.out).fill(self.pseudo_grad.read)
-        return RoundOutcome(self.out, total_samples=self.samples, comm_s=self.elapsed(), note="alone")
+        return ExchangeOutcome(self.out, total_samples=self.samples, comm_s=self.elapsed(), note="alone")
 
-    def averaged(self, group: Group, traffic: Traffic, allreduce_s: float) -> RoundOutcome:
+    def averaged(self, group: Group, traffic: Traffic, allreduce_s: float) -> ExchangeOutcome:
         """The group's average, in `out` on every member."""
-        return RoundOutcome(self.out, group_size=len(group.members), residual=self.residual,
+        return ExchangeOutcome(self.out, group_size=len(group.members), residual=self.residual,
                             total_samples=sum(int(m.get("samples", 0)) for m in group.metas),
                             bytes_sent=traffic.sent, bytes_received=traffic.received, comm_s=self.elapsed(),
                             allreduce_s=allreduce_s, note=f"group of {len(group.members)}")
 
-    def discarded(self) -> RoundOutcome:
-        return RoundOutcome(None, comm_s=self.elapsed(),
+    def discarded(self) -> ExchangeOutcome:
+        return ExchangeOutcome(None, comm_s=self.elapsed(),
                             note=f"outer step {self.outer_step + 1} discarded after {self.elapsed():.0f} s "
                                  f"(the outer step's deadline, budget.outer_step_deadline): {self.reason}")

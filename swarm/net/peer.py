@@ -66,7 +66,7 @@ from swarm.net.records import Records
 from swarm.net.statesync import StateForged, StateRefused, StateServer, download
 from swarm.net.wire import Traffic, WireError
 from swarm.tensors import Buffers
-from swarm.train.averaging import Averager, Download, Intake, PeerStats, RoundOutcome, Snapshot
+from swarm.train.averaging import Averager, Download, ExchangeOutcome, Intake, PeerStats, Snapshot
 from swarm.train.diloco import PseudoGradient
 
 logger = logging.getLogger(__name__)
@@ -165,17 +165,17 @@ class SwarmAverager(Averager):
     # ---- averaging: assess -> form a group -> reduce -> decide, until the outer step's deadline ---------------
 
     def average(self, outer_step: int, pseudo_grad: PseudoGradient, samples: int,
-                out: Sequence[torch.Tensor] | Buffers, base: str = "") -> RoundOutcome:
+                out: Sequence[torch.Tensor] | Buffers, base: str = "") -> ExchangeOutcome:
         if not pseudo_grad.is_finite():
-            return RoundOutcome(None, note="the local pseudo-gradient is not finite; not sent")
+            return ExchangeOutcome(None, note="the local pseudo-gradient is not finite; not sent")
         job = self._begin(outer_step, pseudo_grad, samples, out, base)
         # hivemind refuses a step whose timeout is shorter than its matchmaking time: stop before that.
         while (left := job.deadline - time.monotonic()) > self.cfg.matchmaking_time:
             position = self._assess(job)
-            if isinstance(position, RoundOutcome):
+            if isinstance(position, ExchangeOutcome):
                 return position
             group = self._form_group(job, position, left)
-            if isinstance(group, RoundOutcome):
+            if isinstance(group, ExchangeOutcome):
                 return group
             while group is not None:
                 if (traffic := self._reduce(job, group)) is not None:
@@ -202,7 +202,7 @@ class SwarmAverager(Averager):
             self.publish_progress(outer_step, 0, samples, 0.0, ready=True, sha256=base)
         return job
 
-    def _assess(self, job: Averaging) -> policy.Position | RoundOutcome:
+    def _assess(self, job: Averaging) -> policy.Position | ExchangeOutcome:
         """Where we stand by the records; an outcome when that settles the outer step: behind or diverged (take the
         state), or alone once we have averaged with others (a lone survivor does not wait for nobody)."""
         position = self.records.assess(job.outer_step, job.base)
@@ -212,7 +212,7 @@ class SwarmAverager(Averager):
             return self._alone(job)
         return position
 
-    def _form_group(self, job: Averaging, position: policy.Position, left: float) -> Group | RoundOutcome | None:
+    def _form_group(self, job: Averaging, position: policy.Position, left: float) -> Group | ExchangeOutcome | None:
         """Matchmaking, less the offenders and the groupmates on a minority's base; None: retry (job.reason)."""
         job.expected = position.expected_group if self.averaged_once else None
         try:
@@ -265,7 +265,7 @@ class SwarmAverager(Averager):
                            f"failed: {e}; retrying")
             return None
 
-    def _decide(self, job: Averaging, group: Group, done: tuple[Traffic, float]) -> RoundOutcome:
+    def _decide(self, job: Averaging, group: Group, done: tuple[Traffic, float]) -> ExchangeOutcome:
         """The group's average is in `job.out` on every member: its members are known to our ledger for this
         outer step, we sign its statement (certificates.py) for the commit, and from now on a lone survivor skips
         matchmaking."""
@@ -274,7 +274,7 @@ class SwarmAverager(Averager):
         self.averaged_once = True
         return job.averaged(group, *done)
 
-    def _alone(self, job: Averaging) -> RoundOutcome:
+    def _alone(self, job: Averaging) -> ExchangeOutcome:
         """Our own pseudo-gradient as the outer step's average, stated as a group of one."""
         self.records.sign(job.outer_step + 1, job.base, b"", 1)
         return job.alone()

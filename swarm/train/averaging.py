@@ -5,7 +5,7 @@ network-free implementations.
 - `SimAverager`: M replicas in one process (one thread each), averaged in memory behind a barrier.
   Used by tests and convergence benchmarks; the network implementation lives in `swarm.net.peer`.
 
-Every implementation returns the same `RoundOutcome`: either the weighted mean pseudo-gradient, written
+Every implementation returns the same `ExchangeOutcome`: either the weighted mean pseudo-gradient, written
 into the `out` buffers it was given and identical on every member of the group, or `averaged=None` with
 the reason the exchange was discarded. The words (round, outer step, exchange, ...): swarm/__init__.py.
 """
@@ -27,7 +27,9 @@ from swarm.train.diloco import PseudoGradient
 
 
 @dataclass
-class RoundOutcome:
+class ExchangeOutcome:
+    """How one exchange ended (`Averager.average`): averaged by a group, or not, and what it cost."""
+
     averaged: Optional[Sequence[torch.Tensor] | Buffers]  # weighted mean pseudo-gradient (fp32); None: discarded
     group_size: int = 1
     total_samples: int = 0
@@ -98,7 +100,7 @@ class Averager(ABC):
 
     @abstractmethod
     def average(self, outer_step: int, pseudo_grad: PseudoGradient, samples: int,
-                out: Sequence[torch.Tensor] | Buffers, base: str = "") -> RoundOutcome:
+                out: Sequence[torch.Tensor] | Buffers, base: str = "") -> ExchangeOutcome:
         """Average `pseudo_grad` (weighted by `samples`) with the peers that committed `outer_step` outer steps,
         into `out` (tensors, or buffers written by span: a sharded peer's rank 0 gives a node-local file's).
 
@@ -156,9 +158,9 @@ def weighted_mean(contributions: list[tuple[list[torch.Tensor], float]]) -> list
 
 class SoloAverager(Averager):
     def average(self, outer_step: int, pseudo_grad: PseudoGradient, samples: int,
-                out: Sequence[torch.Tensor] | Buffers, base: str = "") -> RoundOutcome:
+                out: Sequence[torch.Tensor] | Buffers, base: str = "") -> ExchangeOutcome:
         Buffers.of(out).fill(pseudo_grad.read)
-        return RoundOutcome(out, group_size=1, total_samples=samples, note="solo")
+        return ExchangeOutcome(out, group_size=1, total_samples=samples, note="solo")
 
 
 class SimAverager:
@@ -198,7 +200,7 @@ class _SimMember(Averager):
         self.sim, self.index = sim, index
 
     def average(self, outer_step: int, pseudo_grad: PseudoGradient, samples: int, out: Sequence[torch.Tensor],
-                base: str = "") -> RoundOutcome:
+                base: str = "") -> ExchangeOutcome:
         start = time.perf_counter()
         self.sim._inbox[self.index] = (pseudo_grad.tensors(), float(samples))
         self.sim._gathered.wait()
@@ -206,5 +208,5 @@ class _SimMember(Averager):
             o.copy_(r)
         total = self.sim._total_samples
         self.sim._released.wait()  # nobody reads _result once the next round starts writing it
-        return RoundOutcome(out, group_size=self.sim.replicas, total_samples=total,
+        return ExchangeOutcome(out, group_size=self.sim.replicas, total_samples=total,
                             comm_s=time.perf_counter() - start, note=f"sim x{self.sim.replicas}")

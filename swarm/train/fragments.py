@@ -100,7 +100,7 @@ class Fragment:
     def pseudo_gradient(self, residual: Optional[Sequence[torch.Tensor]] = None,
                         local: Optional[Sequence[torch.Tensor]] = None) -> PseudoGradient:
         """global - local (default: the local model) + `residual` (shaped like this fragment's tensors: what the
-        averager's `RoundOutcome.residual` gave for it). A sharded peer's: this rank's rows, without the residual
+        averager's `ExchangeOutcome.residual` gave for it). A sharded peer's: this rank's rows, without the residual
         (`wire` adds it, whole, on rank 0)."""
         mine = None if self.diloco.shards else residual
         return PseudoGradient(self.global_params, self.params if local is None else local, mine)

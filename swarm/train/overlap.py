@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
-from swarm.train.averaging import Averager, RoundOutcome
+from swarm.train.averaging import Averager, ExchangeOutcome
 
 if TYPE_CHECKING:
     from swarm.train.fragments import Fragment
@@ -59,7 +59,7 @@ class Exchange:
         self.base = fragment.global_sha256()
         self.out = fragment.outer_grads()  # the averaged pseudo-gradient lands here (a sharded peer: its rows)
         self.snapshot: Optional[list[torch.Tensor]] = None
-        self.outcome: Optional[RoundOutcome] = None
+        self.outcome: Optional[ExchangeOutcome] = None
         self.error: Optional[BaseException] = None
         self._done = threading.Event()
         if not delayed:
@@ -91,7 +91,7 @@ class Exchange:
         the snapshot, the global parameters and the outer momentum, none of which change before it lands."""
         return self.fragment.own_outer_step(index, self.snapshot[index])
 
-    def result(self) -> tuple[RoundOutcome, float]:
+    def result(self) -> tuple[ExchangeOutcome, float]:
         """The outcome (re-raising what the exchange raised) and how long the training thread waited for it (a
         blocking exchange averages now: that time is the round's communication, not a wait)."""
         start = time.perf_counter()

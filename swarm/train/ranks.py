@@ -37,7 +37,7 @@ from swarm.config import Config
 from swarm.errors import SwarmError, UsageError
 from swarm.state.peerstate import Position, TensorSpec
 from swarm.tensors import Buffers
-from swarm.train.averaging import Averager, Download, Intake, RoundOutcome
+from swarm.train.averaging import Averager, Download, ExchangeOutcome, Intake
 from swarm.train.diloco import PseudoGradient
 
 
@@ -132,9 +132,9 @@ class Ranks:
         if self.distributed:
             dist.broadcast(tensor, src=0, group=self._group_of(tensor))
 
-    def share_outcome(self, outcome: RoundOutcome, out: Sequence[torch.Tensor],
+    def share_outcome(self, outcome: ExchangeOutcome, out: Sequence[torch.Tensor],
                       scatter: Optional[Callable[[Optional[Buffers], Sequence[torch.Tensor]], None]] = None
-                      ) -> RoundOutcome:
+                      ) -> ExchangeOutcome:
         """Rank 0's outcome of an exchange on every rank: its summary, then the averaged pseudo-gradient into `out`
         if it committed (a sharded peer: `scatter(rank 0's averaged buffers or None, out)` puts each rank's rows of
         the average in its `out`, and the outcome carries `out`; rank 0 keeps its residual). Called in the training
@@ -249,8 +249,8 @@ class Follower(Averager):
         self.networked = networked
 
     def average(self, outer_step: int, pseudo_grad: PseudoGradient, samples: int,
-                out: Sequence[torch.Tensor] | Buffers, base: str = "") -> RoundOutcome:
-        return RoundOutcome(None, note="rank 0 averages")
+                out: Sequence[torch.Tensor] | Buffers, base: str = "") -> ExchangeOutcome:
+        return ExchangeOutcome(None, note="rank 0 averages")
 
     def fetch_state(self, intake: Intake, outer_step: int, sha256: str, donors: Optional[list[str]] = None,
                     must: bool = False) -> Optional[Download]:

@@ -32,7 +32,7 @@ from swarm.run.metrics import Metrics
 from swarm.state import peerstate as peer_state
 from swarm.state.checkpoint import CorruptCheckpoint
 from swarm.state.peerstate import Position
-from swarm.train.averaging import Averager, PeerStats, RoundOutcome
+from swarm.train.averaging import Averager, ExchangeOutcome, PeerStats
 from swarm.train.diloco import DiLoCo
 from swarm.train.fragments import Fragment, Fragments
 from swarm.train.history import ExchangeCost, PeerHistory, RoundFacts, RoundRecord, dump_round, round_inputs
@@ -372,7 +372,7 @@ class Trainer:
             for p, saved in zip(self.diloco.params, local):
                 p.copy_(saved)
 
-    def _close_round(self, exchange: Exchange, outcome: RoundOutcome, checkpoint: bool, close_start: float) -> None:
+    def _close_round(self, exchange: Exchange, outcome: ExchangeOutcome, checkpoint: bool, close_start: float) -> None:
         """The round's last exchange settled (`_settle`): evaluate the committed global parameters, record the round
         with the communication of all its exchanges, finish its checkpoint and tell `on_round`."""
         committed, facts = outcome.averaged is not None, self.closing
