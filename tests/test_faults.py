@@ -181,11 +181,12 @@ def test_full_swarm_restart_continues_from_the_last_round(tmp_path, fork_server)
 
 @pytest.mark.timeout(300)
 def test_a_peer_restarted_after_the_swarm_finished_stops_instead_of_forking(tmp_path, fork_server):
-    """Killed in round 2, restarted on its folder once the others finished round 4: its checkpoint holds round
-    1, the swarm's commit records say round 4, nobody serves it any more. It must exit 1 naming the round,
-    never train rounds 2-4 alone and exit 0 on a hash the swarm did not commit."""
+    """Killed in round 2's all-reduce, restarted on its folder once the others finished round 4: its checkpoint
+    holds round 1 (round 2's was begun only once round 1's was in place), the swarm's commit records say round 4,
+    nobody serves it any more. It must exit 1 naming the round, never train rounds 2-4 alone and exit 0 on a hash
+    the swarm did not commit."""
     with local_swarm(tmp_path, fork_server) as swarm:
-        a, b, args = two_peers(swarm, 4, "--faults.kill_round", "2")
+        a, b, args = two_peers(swarm, 4, "--faults.kill_round", "2", "--faults.kill_phase", "allreduce")
         swarm.wait([a, b], timeout=240)
         assert b.proc.returncode == -signal.SIGKILL and a.proc.returncode == 0, swarm.log(a)[-3000:]
         assert swarm.summary(a)["rounds_completed"] == 4
