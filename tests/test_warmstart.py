@@ -4,13 +4,17 @@ the weights' hash, not their path; a folder that is not a model, or does not fit
 import shutil
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from peers.join import check_overrides
 from swarm.cli import main
 from swarm.config import shared_config
+from swarm.data.batches import build_tokenizer
 from swarm.errors import UsageError
 from swarm.run.configfile import config_from_dict
 from swarm.run.runid import run_identity
+from swarm.state import pretrained
 from swarm.state.export import export_hf
 from swarm.state.pretrained import pretrained_sha256
 from swarm.train.averaging import SoloAverager
@@ -138,8 +142,7 @@ def test_an_embedding_that_does_not_fit_the_tokenizer_exits_2_through_the_cli(tm
 def test_a_run_warm_started_from_another_model_family_trains_and_exports_it(tmp_path):
     """Export was tested on Llama only: a GPT-2 folder (another architecture, its own weight names) warm-starts a
     solo run, which trains and exports a GPT-2 folder holding the committed global parameters."""
-    import torch
-    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     from swarm.state.checkpoint import Checkpointer
 
@@ -156,3 +159,26 @@ def test_a_run_warm_started_from_another_model_family_trains_and_exports_it(tmp_
     committed, _ = Checkpointer(tmp_path / "run" / "checkpoint").load_all()
     exported = dict(model.named_parameters())
     assert exported and all(torch.equal(p, committed[f"global.{name}"]) for name, p in exported.items())
+
+
+@pytest.mark.timeout(120)
+def test_torch_save_weights_are_read_a_tensor_at_a_time_as_safetensors_are(exported, tmp_path):
+    """A folder of torch.save weights (pytorch_model.bin, as older transformers wrote): a sharded start (`shard`,
+    here one that shards nothing) builds the model on the meta device and reads the file a tensor at a time
+    through a memory map, giving the weights transformers loads whole; a *.bin of torch's legacy format (no zip,
+    no map) is loaded whole and then sharded."""
+    _, folder = exported
+    whole = AutoModelForCausalLM.from_pretrained(folder)
+    for name, legacy in (("bin", False), ("legacy", True)):
+        (tmp_path / name).mkdir()
+        shutil.copy(folder / "config.json", tmp_path / name)
+        torch.save(whole.state_dict(), tmp_path / name / "pytorch_model.bin",
+                   _use_new_zipfile_serialization=not legacy)
+    for source, on_meta in ((tmp_path / "bin", True), (tmp_path / "legacy", False)):
+        cfg = warm(source)
+        seen = []
+        model = pretrained.load(cfg.model, build_tokenizer(cfg.data).vocab_size, cfg.data.tokenizer,
+                                shard=lambda m, seen=seen: seen.append(next(m.parameters()).is_meta))
+        assert seen == [on_meta], source
+        mine, theirs = model.state_dict(), whole.state_dict()
+        assert list(mine) == list(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine), source

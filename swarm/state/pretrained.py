@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import zipfile
 from pathlib import Path
 from typing import Optional
 
@@ -122,14 +123,14 @@ def check(cfg: Config) -> None:
 def load(cfg: ModelConfig, vocab_size: int, tokenizer: str, device="cpu", shard=None):
     """The model of the folder `cfg.pretrained`, in fp32, on `device`; UsageError if it does not load or if its
     embedding does not fit `tokenizer`'s `vocab_size` tokens (as many rows, or up to PADDING more). `shard`
-    (swarm/train/model.py): with safetensors files, the model is built on the meta device and sharded first, then
-    each rank reads one tensor at a time and keeps its rows; other weight files (*.bin) are loaded whole, then
-    sharded."""
+    (swarm/train/model.py): the model is built on the meta device and sharded first, then each rank reads one
+    tensor at a time and keeps its rows, from safetensors files or from `torch.save` zip files (*.bin, through a
+    memory map); only a *.bin of torch's legacy format (no zip) is loaded whole, then sharded."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = check_folder(cfg.pretrained)
-    files = sorted(folder.glob("*.safetensors"))
+    files = sorted(folder.glob("*.safetensors")) or sorted(p for p in folder.glob("*.bin") if zipfile.is_zipfile(p))
     on_meta = shard is not None and bool(files)
     try:
         if not on_meta:
@@ -151,26 +152,56 @@ def load(cfg: ModelConfig, vocab_size: int, tokenizer: str, device="cpu", shard=
 
 
 def _read_rows(model, files: list[Path], where: str, device) -> None:
-    """Each parameter of `model` (on the meta device, sharded) from the safetensors `files`, a tensor at a time,
-    cast to fp32: a rank keeps its rows of it."""
+    """Each parameter of `model` (on the meta device, sharded) from the weight `files` (safetensors, or torch.save
+    zips), a tensor at a time, cast to fp32: a rank keeps its rows of it."""
     import torch
-    from safetensors import safe_open
 
     from swarm.train.model import fill_rows, materialize
 
     located = {}
     for path in files:
-        with safe_open(path, framework="pt") as f:
+        with _open(path) as f:
             located.update({key: path for key in f.keys()})
     materialize(model, device)
 
     def whole(name: str, shape) -> torch.Tensor:
         if name not in located:
             raise UsageError(f"model.pretrained {where} holds no tensor {name}")
-        with safe_open(located[name], framework="pt") as f:
+        with _open(located[name]) as f:
             tensor = f.get_tensor(name)
         if tuple(tensor.shape) != tuple(shape):
             raise UsageError(f"model.pretrained {where}: tensor {name} is {tuple(tensor.shape)}, the model's "
                              f"{tuple(shape)}")
         return tensor.float()
     fill_rows(model, whole)
+
+
+def _open(path: Path):
+    """A weight file read a tensor at a time: safetensors' own reader, or a torch.save zip (*.bin) mapped into
+    memory (`torch.load(mmap=True)`), whose pages are read as a tensor is, and unmapped when the file closes."""
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+        return safe_open(path, framework="pt")
+    return _MappedZip(path)
+
+
+class _MappedZip:
+    def __init__(self, path: Path):
+        self.path, self.tensors = path, None
+
+    def __enter__(self) -> _MappedZip:
+        import torch
+        try:
+            self.tensors = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
+        except (RuntimeError, OSError, ValueError) as e:
+            raise UsageError(f"model.pretrained: {self.path} does not load: {str(e).splitlines()[0]}") from None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.tensors = None
+
+    def keys(self):
+        return self.tensors.keys()
+
+    def get_tensor(self, name: str):
+        return self.tensors[name]
