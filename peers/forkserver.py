@@ -28,8 +28,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import gc
 import importlib
 import json
+import logging
 import os
 import select
 import signal
@@ -46,7 +48,8 @@ PRELOAD = ("peers.node", "peers.join", "peers.local_swarm", "swarm.train.trainer
            "swarm.net.dht", "matplotlib.pyplot", "torch.distributed.fsdp")
 """What every kind of peer imports on its way to training (matplotlib: the summary's loss plot; FSDP: ~2 s, what
 each rank of a sharded peer would import at once otherwise, swarm/train/sharding.py). Not the modules
-that children run (`swarm.cli`): `runpy` runs those afresh, as `python -m` does."""
+that children run (`swarm.cli`): `runpy` runs those afresh, as `python -m` does. bitsandbytes too where it is safe
+(`_preload_bitsandbytes`)."""
 START_TIMEOUT_S = 120.0  # the server imports for ~4 s on an idle 2-core machine; past this it is broken
 REAP_INTERVAL_S = 0.05  # how often the server looks for children that exited
 
@@ -352,11 +355,32 @@ def _reap(children: set[int]) -> None:
         _send({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
+def _preload_bitsandbytes() -> None:
+    """Import what the default int8 codec uses (swarm/net/codec.py), ~2 s of CPU per peer otherwise (it wraps its
+    kernels in torch.compile at import), only where torch is a CPU build: on a CUDA or ROCm build the import asks
+    the driver for its devices, and children forked after that cannot use CUDA. Its warning about 4-bit kernels
+    from the hub (none are used) would go to the launcher's terminal from here: it is dropped."""
+    import torch
+
+    if torch.version.cuda is not None or torch.version.hip is not None:
+        return
+    quiet = logging.NullHandler()
+    logging.getLogger("bitsandbytes").addHandler(quiet)
+    try:
+        importlib.import_module("bitsandbytes.functional")
+    finally:
+        logging.getLogger("bitsandbytes").removeHandler(quiet)
+
+
 def main(preload: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C; we report how children end
     os.environ.setdefault("MPLBACKEND", "Agg")
     for name in preload:
         importlib.import_module(name)
+    _preload_bitsandbytes()
+    # What the imports made lives as long as every child: the children's garbage collector leaves it alone, and
+    # so never walks the ~1 GB of objects each child shares with us (nor copies their pages, which a walk writes).
+    gc.freeze()
     children: set[int] = set()
 
     def stop(*_) -> None:
