@@ -170,6 +170,24 @@ def frozen_imports():
     gc.unfreeze()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread_per_worker():
+    """On several workers (`make test`: one per core), torch computes on one thread in each worker and in every
+    process it starts (OMP_NUM_THREADS, read by the fork server's torch and so by every peer forked from it, unless
+    a test sets `diloco.threads`): two threads each would oversubscribe the cores, and a test that trains waits on
+    threads that another process holds (the 150M recipe's inner steps: 7 s alone, 40 s beside a worker on 2)."""
+    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"
+    yield
+    torch.set_num_threads(threads)
+    if omp is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = omp
+
+
 @pytest.fixture(autouse=True)
 def no_lost_exceptions(frozen_imports):
     """A test fails that leaves an asyncio task or future with an exception nobody took: collected now, at the
