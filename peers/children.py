@@ -31,7 +31,9 @@ def spawn_child(server: ForkServer, name: str, argv: list[str], log_path: Path,
     """`swarm <argv>` forked by `server`, in a session of its own, logging to `log_path`; it gets SIGTERM when
     this launcher dies (peers/forkserver.py)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    log_path.touch()  # readers may look before the child opens it
+    # emptied now, as the child will empty it once forked: a reader that looks before that must not take a line of
+    # the last run's log (a `swarm local` re-run in its folder read the last bootstrap's address, long gone)
+    log_path.write_bytes(b"")
     return Child(name, server.spawn(argv, log_path, env={**os.environ, "PYTHONUNBUFFERED": "1"}), out_dir)
 
 

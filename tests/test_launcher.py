@@ -1,4 +1,5 @@
-"""`swarm local` leaves nothing behind: killed -9, stopped by SIGTERM (then it still writes its summary)."""
+"""`swarm local` leaves nothing behind: killed -9, stopped by SIGTERM (then it still writes its summary); run again
+in its folder, it starts on its own bootstrap, not the last run's."""
 
 import json
 import os
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from peers.children import bootstrap_maddr, spawn_child, stop_children
 from tests.conftest import ROOT
 from tests.swarm_harness import SMALL
 
@@ -88,3 +90,18 @@ def test_a_launcher_stopped_by_sigterm_stops_every_child_and_writes_its_summary(
     assert sorted(p["name"] for p in summary["peers"]) == ["peer-0", "peer-1"]
     assert "swarm: stopped by SIGTERM" in output and "summary of the interrupted run" in output
     assert os.path.exists(tmp_path / "run" / "loss.png")
+
+
+def test_a_launcher_re_run_in_its_folder_reads_its_own_bootstrap_s_address(tmp_path, fork_server, monkeypatch):
+    """`make swarm` run twice: `bootstrap.log` still held the last run's address when the launcher read it, before the
+    new bootstrap's fork emptied the file, and every peer dialed a bootstrap that was gone."""
+    monkeypatch.chdir(tmp_path)  # where the bootstrap writes its own runs/bootstrap/log.txt
+    log = tmp_path / "bootstrap.log"
+    stale = "/ip4/127.0.0.1/tcp/9/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    log.write_text(f"{stale}\n")
+    boot = spawn_child(fork_server, "bootstrap", ["bootstrap", "--swarm.host_maddrs", "/ip4/127.0.0.1/tcp/0"], log)
+    try:
+        maddr = bootstrap_maddr(boot, log)
+    finally:
+        stop_children([boot])
+    assert maddr != stale and maddr in log.read_text()
