@@ -11,11 +11,13 @@ Per rank of a peer of K ranks (`inner.parallel: fsdp`; with ddp, or K = 1, every
                     logits of one micro-batch)                                    `activation_bytes`
     where diloco.global_device says (cpu: host memory)
                     fp32 global parameters and outer momentum                     8 B x N / K
+                    the exchange's average, this rank's rows                       4 B x N / (K F)
+                    with diloco.delay >= 1, the snapshot of the local parameters the exchange in flight started
+                    from (swarm/train/overlap.py), alive through the next tau inner steps   4 B x N / (K F)
+    host (K = 1)    error-feedback residual, with a lossy codec                   4 B x N / F
     page cache      the served copy of global parameters and momentum (file-backed, evictable)   8 B x N
                     the exchange's two node-local files, pseudo-gradient and average (swarm/train/sharding.py),
                     shared by the ranks, read and written a chunk at a time           8 B x N
-    host (K = 1)    the exchange's average, and as much of error-feedback residual with a lossy codec
-                                                                                  4 B x N / F each
 
 `plan` lists these items for a config (the moments at 2 B per parameter with adamw8bit); `swarm peer --dry-run`
 prints it per rank, also on a machine that cannot hold it (peers/inspect.py).
@@ -78,9 +80,7 @@ class Item:
 
 def plan(cfg: Config, shapes: Shapes, ranks: int, vocab_size: int) -> list[Item]:
     """What each rank of a peer of `ranks` ranks holds, item by item (the module docstring's table; with
-    `inner.optimizer: adamw8bit` the moments take 2 bytes per parameter, and an unsharded peer's exchange writes
-    its average, 1/F of the parameters, into host memory, plus as much again of error-feedback residual with a
-    lossy codec)."""
+    `inner.optimizer: adamw8bit` the moments take 2 bytes per parameter)."""
     from swarm.net.codec import get_codec
 
     k = ranks if cfg.inner.parallel == "fsdp" else 1
@@ -92,15 +92,17 @@ def plan(cfg: Config, shapes: Shapes, ranks: int, vocab_size: int) -> list[Item]
         items.append(Item("the block FSDP gathers whole, and the next one prefetched", "device",
                           2 * 4 * shapes.block_params))
     items.append(Item("activations of one micro-batch (an estimate)", "device", activation_bytes(cfg, vocab_size)))
-    items.append(Item("fp32 global parameters and outer momentum",
-                      "host" if cfg.diloco.global_device == "cpu" else "device", 8 * n / k))
+    outer = "host" if cfg.diloco.global_device == "cpu" else "device"  # the global parameters and their kin
+    items.append(Item("fp32 global parameters and outer momentum", outer, 8 * n / k))
+    items.append(Item("the exchange's average (fp32)" if k == 1 else "the exchange's average, this rank's rows (fp32)",
+                      outer, 4 * n / (k * f)))
+    if k == 1 and cfg.swarm.error_feedback and get_codec(cfg.swarm.compression).lossy:
+        items.append(Item("the exchange's error-feedback residual (fp32)", "host", 4 * n / f))
+    if cfg.diloco.delay:
+        items.append(Item("the delayed exchange's snapshot of the local parameters (fp32)", outer, 4 * n / (k * f)))
     if k > 1:
         items += [Item("the served copy of global parameters and momentum", "page cache", 8 * n),
                   Item("the exchange's node-local files (pseudo-gradient, average)", "page cache", 8 * n)]
-    else:
-        items.append(Item("the exchange's average (fp32)", "host", 4 * n / f))
-        if cfg.swarm.error_feedback and get_codec(cfg.swarm.compression).lossy:
-            items.append(Item("the exchange's error-feedback residual (fp32)", "host", 4 * n / f))
     return items
 
 
