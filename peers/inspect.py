@@ -103,7 +103,7 @@ def dry_run(cfg: Config, out: Path, networked: bool, run: Optional[RunIdentity] 
         print(f"run folder: {out} ({files})")
     else:
         last = f" .. {out / f'peer-{local_peers - 1}'}" if local_peers > 1 else ""
-        print(f"run folder: {out} (log.txt, bootstrap.log, summary.json, loss.png); each peer's in "
+        print(f"run folder: {out} (log.txt, bootstrap.log and bootstrap/, summary.json, loss.png); each peer's in "
               f"{out / 'peer-0'}{last} ({files})")
     mine = run_identity(cfg, meta["sha256"])
     if networked:

@@ -232,8 +232,8 @@ class LocalSwarm:
     def start_bootstrap(self, server: ForkServer, monitor: bool, monitor_port: Optional[int]) -> str:
         """The bootstrap DHT (and the monitor on it); its multiaddr."""
         boot_log = self.out_dir / "bootstrap.log"
-        boot = spawn_child(server, "bootstrap", ["bootstrap", "--swarm.host_maddrs", "/ip4/127.0.0.1/tcp/0"],
-                           boot_log)
+        argv = ["bootstrap", "--swarm.host_maddrs", "/ip4/127.0.0.1/tcp/0", "--out", str(self.out_dir / "bootstrap")]
+        boot = spawn_child(server, "bootstrap", argv, boot_log)  # its own log in the run's folder, not in runs/
         self.children.append(boot)
         maddr = bootstrap_maddr(boot, boot_log)
         print(f"bootstrap at {maddr}", flush=True)

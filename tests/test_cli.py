@@ -200,8 +200,9 @@ def test_dry_run_checks_everything_and_trains_nothing(run, tmp_path):
                  "--out", str(tmp_path / "local"))
     assert result.returncode == 0 and "nothing trained" in result.stdout and not (tmp_path / "local").exists()
     local = tmp_path / "local"  # the swarm's log beside its peers' folders, where each peer's log.txt goes
-    assert (f"run folder: {local} (log.txt, bootstrap.log, summary.json, loss.png); each peer's in {local / 'peer-0'} "
-            f".. {local / 'peer-1'} (log.txt, metrics.csv, checkpoint/, identity.key, ledger.json)") in result.stdout
+    assert (f"run folder: {local} (log.txt, bootstrap.log and bootstrap/, summary.json, loss.png); each peer's in "
+            f"{local / 'peer-0'} .. {local / 'peer-1'} (log.txt, metrics.csv, checkpoint/, identity.key, ledger.json)"
+            ) in result.stdout
 
 
 def test_dry_run_prints_the_memory_plan_per_rank_even_where_it_cannot_run(run, tmp_path):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from peers.children import bootstrap_maddr, spawn_child, stop_children
-from tests.conftest import ROOT
+from tests.conftest import scratch_folder
 from tests.swarm_harness import SMALL
 
 pytestmark = pytest.mark.slow  # starts peers, DHTs or `swarm` processes (make test-fast leaves it out)
@@ -55,7 +55,7 @@ def start_launcher(out: Path) -> tuple[subprocess.Popen, set[int]]:
     process under it."""
     launcher = subprocess.Popen([sys.executable, "-m", "swarm.cli", "local", "--config", "configs/tiny.yaml",
                                  "--peers", "2", "--rounds", "50", "--out", str(out), "--no-monitor", *SMALL],
-                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                cwd=scratch_folder(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 120
     while not all(training(out / f"peer-{i}") for i in range(2)):
         assert launcher.poll() is None and time.time() < deadline, launcher.stdout.read()[-3000:]

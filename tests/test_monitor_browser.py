@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import ROOT
+from tests.conftest import scratch_folder
 from tests.swarm_harness import SMALL
 
 pytestmark = pytest.mark.slow  # starts peers, DHTs or `swarm` processes (make test-fast leaves it out)
@@ -82,12 +82,13 @@ def test_monitor_page_lists_live_peers_and_charts_eval_loss(tmp_path):
     assert chromium, "Debian's chromium is missing: `make test` installs it (apt-get install chromium)"
     deadline = time.time() + DEADLINE_S
     port, second_port = free_port(), free_port()
+    cwd = scratch_folder()  # the monitors keep their history under runs/: never the repository's
     log, second_log = tmp_path / "local.log", tmp_path / "monitor.log"
     # Rounds far beyond the test's time: the swarm is stopped (Ctrl-C) once the page is checked.
     launcher = subprocess.Popen(
         [sys.executable, "-m", "swarm.cli", "local", "--config", "configs/tiny.yaml", "--peers", "2", "--rounds", "500",
          "--diloco.inner_steps", "8", *SMALL, "--out", str(tmp_path / "run"), "--monitor-port", str(port)],
-        cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+        cwd=cwd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
         # a test run started in the background of a script (`make test &`) ignores SIGINT, and so would the
         # launcher (an ignored signal stays ignored across exec): give it Ctrl-C back
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -100,7 +101,7 @@ def test_monitor_page_lists_live_peers_and_charts_eval_loss(tmp_path):
         second = subprocess.Popen(
             [sys.executable, "-m", "swarm.cli", "monitor", "--initial-peers", maddr, "--run", "swarm-tiny",
              "--http-port", str(second_port), "--swarm.request_timeout", "1"],  # the live window of SMALL's peers
-            cwd=ROOT, stdout=open(second_log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+            cwd=cwd, stdout=open(second_log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
         snap = wait_for("two live peers and two eval rounds", lambda: api_when_ready(url), deadline, launcher, log)
 
         budget_ms = 3000  # virtual time for the page's script: its first fetch and a few polls

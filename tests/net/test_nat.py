@@ -115,7 +115,8 @@ def test_a_peer_behind_a_nat_takes_part_and_ends_on_the_swarms_hash(tmp_path: Pa
             boot_log = out / "bootstrap.log"
             prefix = lambda ns: ["ip", "netns", "exec", ns]  # noqa: E731
             procs.append(boot := spawn(["-m", "swarm.cli", "bootstrap", "--swarm.host_maddrs",
-                                        f"/ip4/{nets.addr(0)}/tcp/0"], boot_log, prefix(nets.ns(0))))
+                                        f"/ip4/{nets.addr(0)}/tcp/0", "--out", str(out / "boot")], boot_log,
+                                       prefix(nets.ns(0))))
             maddr = wait_for_line(boot_log, rf"/ip4/{nets.addr(0)}/tcp/\d+/p2p/\w+", boot)
             where = [(nets.ns(1), nets.addr(1), []), (nets.ns(2), nets.addr(2), []),
                      (home.ns, home.addr, ["--client-mode"])]
