@@ -213,6 +213,8 @@ def local_swarm_of_ranks(swarm_cmd, out, peers: int, ranks: str, delay: int = 0)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summaries = {p["name"]: p for p in json.loads((out / "summary.json").read_text())["peers"]}
     (final,) = {p["final_global_sha256"] for p in summaries.values()}
+    claims = [e for p in summaries.values() for e in p["events"] if e["event"].endswith("_claim")]
+    assert not claims, claims  # nobody lies here: no record may be taken for a false claim
     for name, peer in summaries.items():
         if peer["nproc"] > 1:
             hashes = [json.loads(p.read_text())["global_sha256"] for p in (out / name / "ranks").glob("*.json")]

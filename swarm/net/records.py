@@ -305,7 +305,10 @@ class Records:
         seen, asked, answer = self._ready_seen
         if seen == outer_step and time.monotonic() - asked < self.cfg.progress_interval:
             return answer
-        sha = self._last_progress[5] if self._last_progress else ""
+        # our last record's hash only if it is the hash at `outer_step`: just after a commit the record still shows
+        # the step before, and that hash claimed at `outer_step` would make every groupmate's true record of it a lie
+        last = self._last_progress
+        sha = last[5] if last is not None and last[0] == outer_step else ""
         answer = self.assess(outer_step, sha, commits=False).others_ready
         self._ready_seen = (outer_step, time.monotonic(), answer)
         return answer
