@@ -356,10 +356,11 @@ def _reap(children: set[int]) -> None:
 
 
 def _preload_bitsandbytes() -> None:
-    """Import what the default int8 codec uses (swarm/net/codec.py), ~2 s of CPU per peer otherwise (it wraps its
-    kernels in torch.compile at import), only where torch is a CPU build: on a CUDA or ROCm build the import asks
-    the driver for its devices, and children forked after that cannot use CUDA. Its warning about 4-bit kernels
-    from the hub (none are used) would go to the launcher's terminal from here: it is dropped."""
+    """Import what the default int8 codec uses (swarm/net/codec.py), which every peer would otherwise import on its
+    first exchange at a cost of seconds (it wraps its kernels in torch.compile at import), only where torch is a CPU
+    build: on a CUDA or ROCm build the import asks the driver for its devices, and children forked after that
+    cannot use CUDA. Its warning about 4-bit kernels from the hub (none are used) would go to the launcher's
+    terminal from here: it is dropped."""
     import torch
 
     if torch.version.cuda is not None or torch.version.hip is not None:
@@ -379,7 +380,7 @@ def main(preload: list[str]) -> None:
         importlib.import_module(name)
     _preload_bitsandbytes()
     # What the imports made lives as long as every child: the children's garbage collector leaves it alone, and
-    # so never walks the ~1 GB of objects each child shares with us (nor copies their pages, which a walk writes).
+    # so never walks the objects each child shares with us (nor copies their pages, which a walk writes).
     gc.freeze()
     children: set[int] = set()
 
