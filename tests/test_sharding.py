@@ -81,24 +81,31 @@ def test_models_without_blocks_to_shard_and_bad_configs_are_refused():
     assert shared_config(tiny_config(inner={"parallel": "fsdp"})) == shared_config(tiny_config())
 
 
+def trains_like_one_process(tmp_path, swarm_cmd, sections: dict, ranks: int):
+    """A `swarm peer --solo` of `ranks` FSDP ranks with `sections` against one process in this one with the same
+    config (named as a --solo peer is: the batch order is seeded by the peer's name, swarm/data/batches.py): the
+    same train and eval losses up to float rounding, and every rank on the peer's final hash. The peer's folder."""
+    one = Trainer(tiny_config(**sections), SoloAverager(), "solo", shard=0, out_dir=tmp_path / "one").train()
+    out = tmp_path / f"ranks-{ranks}"
+    result = swarm_cmd("peer", "--config", "configs/tiny.yaml", "--solo", "--nproc-per-node", str(ranks), "--out",
+                       str(out), "--inner.parallel", "fsdp", *overrides(sections), timeout=150)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (peer,) = json.loads((out / "summary.json").read_text())["peers"]
+    assert peer["nproc"] == ranks
+    assert peer["train_loss"] == pytest.approx([r.train_loss for r in one.rounds], abs=1e-5)
+    assert peer["eval_loss"] == pytest.approx([r.eval_loss for r in one.rounds], abs=1e-5)
+    hashes = [json.loads(p.read_text())["global_sha256"] for p in sorted((out / "ranks").glob("rank-*.json"))]
+    assert hashes == [peer["final_global_sha256"]] * ranks
+    return out
+
+
 def test_two_fsdp_ranks_train_like_one_process(tmp_path, swarm_cmd):
     """K = 2 sharded ranks against one process in this one (K = 4: the next test), delayed exchanges of two
     fragments through the node-local files (rows in, the average out), outer steps on the shards, the local model
     moved under FSDP between inner steps and evals; the files' names are gone with the peer. Networked rounds: the
     local swarms' tests below."""
     sections = {**SECTIONS, "diloco": {"rounds": 2, "inner_steps": 4, "delay": 1, "fragments": 2}}
-    # named as a --solo peer is: the batch order is seeded by the peer's name (swarm/data/batches.py)
-    one = Trainer(tiny_config(**sections), SoloAverager(), "solo", shard=0, out_dir=tmp_path / "one").train()
-    out = tmp_path / "two"
-    result = swarm_cmd("peer", "--config", "configs/tiny.yaml", "--solo", "--nproc-per-node", "2", "--out", str(out),
-                       "--inner.parallel", "fsdp", *overrides(sections), timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (peer,) = json.loads((out / "summary.json").read_text())["peers"]
-    assert peer["nproc"] == 2
-    assert peer["train_loss"] == pytest.approx([r.train_loss for r in one.rounds], abs=1e-5)
-    assert peer["eval_loss"] == pytest.approx([r.eval_loss for r in one.rounds], abs=1e-5)
-    hashes = [json.loads(p.read_text())["global_sha256"] for p in sorted((out / "ranks").glob("rank-*.json"))]
-    assert hashes == [peer["final_global_sha256"]] * 2
+    out = trains_like_one_process(tmp_path, swarm_cmd, sections, 2)
     assert not list((out / "shards").glob("exchange-*"))
 
 
@@ -112,17 +119,7 @@ def test_four_fsdp_ranks_in_bf16_with_checkpointing_and_micro_batches_train_like
     sections = {**SECTIONS, "diloco": {"rounds": 2, "inner_steps": 3, "delay": 1},
                 "data": {"shard": 0, "batch_size": 8},
                 "inner": {"precision": "bf16", "activation_checkpointing": True, "micro_batch_size": 2}}
-    one = Trainer(tiny_config(**sections), SoloAverager(), "solo", shard=0, out_dir=tmp_path / "one").train()
-    out = tmp_path / "four"
-    result = swarm_cmd("peer", "--config", "configs/tiny.yaml", "--solo", "--nproc-per-node", "4", "--out", str(out),
-                       "--inner.parallel", "fsdp", *overrides(sections), timeout=150)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (peer,) = json.loads((out / "summary.json").read_text())["peers"]
-    assert peer["nproc"] == 4
-    assert peer["train_loss"] == pytest.approx([r.train_loss for r in one.rounds], abs=1e-5)
-    assert peer["eval_loss"] == pytest.approx([r.eval_loss for r in one.rounds], abs=1e-5)
-    hashes = [json.loads(p.read_text())["global_sha256"] for p in sorted((out / "ranks").glob("rank-*.json"))]
-    assert hashes == [peer["final_global_sha256"]] * 4
+    trains_like_one_process(tmp_path, swarm_cmd, sections, 4)
 
 
 # A model whose training state (24 bytes per parameter) is some hundreds of MiB: far above what a rank's peak
