@@ -160,9 +160,9 @@ def start_dht(cfg: SwarmConfig, identity: Optional[Identity] = None, *, fingerpr
         dht = hivemind.DHT(
             initial_peers=initial, start=False, host_maddrs=host, announce_maddrs=announce or None,
             identity_path=key_file, client_mode=cfg.client_mode,
-            # hivemind checks that a key file is not in use by dialing it from a second p2pd (~0.3 s); a fresh
-            # key (a temporary file here) cannot be, and hivemind skips the check for keys it generates itself
-            check_if_identity_free=identity.path is not None,
+            # hivemind checks that a key file is not in use by dialing it from a second p2pd; a key made by this
+            # process (a fresh one, or a key file created just now) cannot be, as hivemind says of keys it makes
+            check_if_identity_free=identity.path is not None and not identity.made_now,
             record_validators=schema.validators(cfg.run_id, identity, allowed),
             startup_timeout=cfg.bootstrap_timeout,  # p2pd start-up (its default, 15 s, is the usual field failure)
             bootstrap_timeout=cfg.bootstrap_timeout, ensure_bootstrap_success=bool(initial),

@@ -44,6 +44,7 @@ class Identity:
     peer_id: PeerID
     path: Optional[str]  # None: made for this process only
     work: int = 0  # nonce of the proof of work on this key (swarm.identity_work, work.py), in every record
+    made_now: bool = False  # the key file was created by this process: no other peer can be running under it
 
     @property
     def owner(self) -> bytes:
@@ -88,7 +89,8 @@ def load_identity(path: Optional[str]) -> Identity:
         key = RSAPrivateKey()
         return Identity(key, PeerID.from_identity(crypto_pb2.PrivateKey(
             key_type=crypto_pb2.KeyType.RSA, data=key.to_bytes()).SerializeToString()), None)
-    if not os.path.exists(path):
+    made_now = not os.path.exists(path)
+    if made_now:
         try:
             P2P.generate_identity(path)
         except (FileNotFoundError, PermissionError) as e:
@@ -109,7 +111,7 @@ def load_identity(path: Optional[str]) -> Identity:
         key = _rsa_key(protobuf.data)
     except ValueError as e:
         raise UsageError(f"swarm.identity: {path!r} holds an unreadable RSA key ({e})") from None
-    return Identity(key, PeerID.from_identity(data), path)
+    return Identity(key, PeerID.from_identity(data), path, made_now=made_now)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -11,6 +11,7 @@ from conftest import REPO, fast_cfg
 
 from swarm.errors import SwarmError, UsageError
 from swarm.net.dht import start_dht, visible_maddrs
+from swarm.net.identity import load_identity
 
 pytestmark = pytest.mark.slow  # starts peers, DHTs or `swarm` processes (make test-fast leaves it out)
 
@@ -80,6 +81,21 @@ def test_identity_file_fixes_the_peer_id(tmp_path):
         ids.append(visible_maddrs(dht)[0].split("/p2p/")[1])
         dht.shutdown()
     assert ids[0] == ids[1]
+
+
+@pytest.mark.timeout(40)
+def test_a_key_file_made_now_is_not_checked_and_one_in_use_is_refused(tmp_path, bootstrap):
+    """hivemind dials a key file's peer id from a second daemon to see whether another peer runs under it: needless
+    for a key this process just made (no one else can hold it), and what stops a second peer on a copied key."""
+    cfg = fast_cfg(identity=str(tmp_path / "id.key"), initial_peers=bootstrap)
+    assert load_identity(cfg.identity).made_now and not load_identity(cfg.identity).made_now
+    (tmp_path / "id.key").unlink()
+    first = start_dht(cfg)  # made now: started without the check
+    try:
+        with pytest.raises(SwarmError, match="already taken"):
+            start_dht(cfg)
+    finally:
+        first.shutdown()
 
 
 @pytest.mark.timeout(40)
