@@ -182,3 +182,20 @@ def test_torch_save_weights_are_read_a_tensor_at_a_time_as_safetensors_are(expor
         assert seen == [on_meta], source
         mine, theirs = model.state_dict(), whole.state_dict()
         assert list(mine) == list(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine), source
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "bin"])
+def test_a_rank_reads_its_rows_of_a_tensor_and_no_others(tmp_path, kind):
+    """A sharded rank's rows of a stored tensor (bf16 here, as checkpoints on the hub often are) come back in fp32
+    without the whole tensor being read: a safetensors slice, or rows of a memory-mapped torch.save zip. A rank
+    past the last rows (more ranks than rows) gets none; a tensor of another shape is named."""
+    from safetensors.torch import save_file
+
+    stored = torch.randn(5, 4).to(torch.bfloat16)
+    path = tmp_path / f"weights.{kind}"
+    save_file({"w": stored}, path) if kind == "safetensors" else torch.save({"w": stored}, path)
+    rows = pretrained.read_rows(path, "w", (5, 4), slice(2, 4), "folder")
+    assert rows.dtype == torch.float32 and torch.equal(rows, stored[2:4].float())
+    assert pretrained.read_rows(path, "w", (5, 4), slice(5, 5), "folder").shape == (0, 4)
+    with pytest.raises(UsageError, match=r"folder: tensor w is \(5, 4\), the model's \(4, 5\)"):
+        pretrained.read_rows(path, "w", (4, 5), slice(0, 2), "folder")

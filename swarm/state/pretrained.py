@@ -153,9 +153,7 @@ def load(cfg: ModelConfig, vocab_size: int, tokenizer: str, device="cpu", shard=
 
 def _read_rows(model, files: list[Path], where: str, device) -> None:
     """Each parameter of `model` (on the meta device, sharded) from the weight `files` (safetensors, or torch.save
-    zips), a tensor at a time, cast to fp32: a rank keeps its rows of it."""
-    import torch
-
+    zips), a tensor at a time: a rank reads only its rows of it (`read_rows`), cast to fp32."""
     from swarm.train.model import fill_rows, materialize
 
     located = {}
@@ -164,16 +162,27 @@ def _read_rows(model, files: list[Path], where: str, device) -> None:
             located.update({key: path for key in f.keys()})
     materialize(model, device)
 
-    def whole(name: str, shape) -> torch.Tensor:
+    def rows_of(name: str, shape, rows: slice):
         if name not in located:
             raise UsageError(f"model.pretrained {where} holds no tensor {name}")
-        with _open(located[name]) as f:
-            tensor = f.get_tensor(name)
-        if tuple(tensor.shape) != tuple(shape):
-            raise UsageError(f"model.pretrained {where}: tensor {name} is {tuple(tensor.shape)}, the model's "
-                             f"{tuple(shape)}")
-        return tensor.float()
-    fill_rows(model, whole)
+        return read_rows(located[name], name, tuple(shape), rows, where)
+    fill_rows(model, rows_of)
+
+
+def read_rows(path: Path, name: str, shape: tuple, rows: slice, where: str):
+    """Rows `rows` (of dim 0) of tensor `name` of the weight file `path`, in fp32, reading no other rows: a
+    safetensors slice, or rows of a memory-mapped torch.save zip (only their pages are read); UsageError
+    naming the tensor if its shape is not `shape`."""
+    with _open(path) as f:
+        if path.suffix == ".safetensors":
+            piece = f.get_slice(name)
+            found = tuple(piece.get_shape())
+        else:
+            piece = f.get_tensor(name)
+            found = tuple(piece.shape)
+        if found != shape:
+            raise UsageError(f"model.pretrained {where}: tensor {name} is {found}, the model's {shape}")
+        return piece[rows].float()
 
 
 def _open(path: Path):

@@ -61,26 +61,32 @@ def materialize(model: PreTrainedModel, device: str | torch.device) -> None:
 
 
 @torch.no_grad()
-def fill_rows(model: torch.nn.Module, whole: Callable[[str, torch.Size], torch.Tensor]) -> None:
-    """Every parameter (a tied one once) from `whole(name, shape)`, the whole tensor, made or read one at a time;
-    a rank of a sharded model keeps its rows of it (rows of dim 0, torch.chunk's cut, as FSDP2's)."""
+def fill_rows(model: torch.nn.Module, rows_of: Callable[[str, torch.Size, slice], torch.Tensor]) -> None:
+    """Every parameter (a tied one once) from `rows_of(name, shape, rows)`: the rows `rows` (of dim 0) of the
+    tensor `name` of `shape`, made or read one tensor at a time. A rank of a sharded model asks for its own rows
+    (`own_rows`), an unsharded model for all of them."""
     for name, param in model.named_parameters():
-        values = whole(name, param.shape)
-        if hasattr(param, "to_local"):  # an FSDP2 shard
-            mesh = param.device_mesh
-            chunks = torch.chunk(values, mesh.size(), dim=0)
-            rank = mesh.get_local_rank()
-            values = chunks[rank] if rank < len(chunks) else values[:0]
-            param = param.to_local()
-        param.copy_(values)
+        rows = own_rows(param)
+        values = rows_of(name, param.shape, rows)
+        (param.to_local() if hasattr(param, "to_local") else param).copy_(values)
+
+
+def own_rows(param: torch.Tensor) -> slice:
+    """The rows of dim 0 this rank holds of `param`: all of them, or for an FSDP2 shard those of torch.chunk's
+    cut (FSDP2's own: ceil(rows / K) per rank, the last ranks short or empty)."""
+    if not hasattr(param, "to_local"):
+        return slice(None)
+    ranks, rank = param.device_mesh.size(), param.device_mesh.get_local_rank()
+    per = -(-param.shape[0] // ranks)
+    return slice(min(rank * per, param.shape[0]), min((rank + 1) * per, param.shape[0]))
 
 
 def init_weights(model: torch.nn.Module, seed: int, std: float) -> None:
     """Every parameter drawn from a generator of its own, seeded by (`seed`, its name): normal(0, `std`), norms
     1. A tensor's values never depend on the others' or on how the model is sharded: a sharded rank makes each
-    whole tensor in turn (one at a time, on the CPU) and keeps its rows, so K ranks hold the model one process
-    builds."""
-    fill_rows(model, lambda name, shape: _initial(name, tuple(shape), seed, std))
+    whole tensor in turn (one at a time, on the CPU: a random stream cannot start mid-tensor) and keeps its rows,
+    so K ranks hold the model one process builds."""
+    fill_rows(model, lambda name, shape, rows: _initial(name, tuple(shape), seed, std)[rows])
 
 
 def _initial(name: str, shape: tuple[int, ...], seed: int, std: float) -> torch.Tensor:
