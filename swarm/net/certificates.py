@@ -115,16 +115,27 @@ class Chains:
         if self.lineage.get(outer_step) == sha256:
             return True
         cert = self.certs.get((outer_step, sha256))
-        if cert is None:
-            return False
+        return cert is not None and self._vouched(outer_step, cert.parent, cert.signers)
+
+    def _vouched(self, outer_step: int, parent: str, signers: frozenset[str]) -> bool:
+        """Whether a certificate of `outer_step` from `parent` signed by `signers` would be grounded for us."""
         if self.settled:
             credited = self.credited(outer_step)
         elif outer_step == 1:  # a newcomer: the initial state is everyone's
             return True
         else:  # a newcomer: its parent's certificate vouches for it
-            parent = self.certs.get((outer_step - 1, cert.parent))
-            credited = parent.signers if parent is not None else frozenset()
-        return 2 * len(cert.signers & credited) >= len(cert.signers)
+            cert = self.certs.get((outer_step - 1, parent))
+            credited = cert.signers if cert is not None else frozenset()
+        return 2 * len(signers & credited) >= len(signers)
+
+    def pending(self, peer: str, statement: Statement) -> bool:
+        """Whether `peer`'s own `statement` is of a commit its group has not finished certifying in what we read:
+        no certificate of it yet (its groupmates publish their statements a heartbeat later than the first of
+        them does), and one that `peer` signed would be grounded for us. Such a claim counts for nothing yet,
+        but names nobody a liar (policy.uncertified)."""
+        if (statement.outer_step, statement.sha256) in self.certs:
+            return False
+        return self._vouched(statement.outer_step, statement.parent, frozenset({peer}))
 
     def credited(self, outer_step: int) -> frozenset[str]:
         """The keys credited at `outer_step`: the signers of the grounded certificates of the WINDOW outer steps before

@@ -70,7 +70,7 @@ from enum import Enum
 from typing import Callable, Mapping, Optional, Sequence
 
 from swarm.net import certificates
-from swarm.net.schema import CommitRecord, ProgressRecord, RunRecord
+from swarm.net.schema import CommitRecord, ProgressRecord, RunRecord, Statement
 
 Known = Callable[[int], Optional[frozenset[str]]]
 """The keys that vote on an outer step s (ledger.py `Ledger.known`); None for s: every identity votes."""
@@ -194,11 +194,17 @@ def uncertified(me: str, outer_step: int, progress: Sequence[ProgressRecord], co
     """The peers that claim an outer step past `outer_step` on a hash no certificate grounded on our lineage backs: by
     a live progress record (free identities voting ahead, a claim ahead on a hash we hold) or by their last
     commit record (a forged commit). An honest peer ahead holds what its group certified; these are the claims
-    the quorum disregarded, named so that the peer's events say who made them."""
-    claims = [*((r.peer_id, r.outer_step, r.sha256) for r in progress if is_live(r, now, window)),
-              *((p, c.outer_step, c.sha256) for p, c in commits.items())]
-    return tuple(sorted({p for p, s, sha in claims
-                         if p != me and s > outer_step and sha and not backed.grounded(s, sha)}))
+    the quorum disregarded, named so that the peer's events say who made them. A claim its own signed statement
+    backs while its group's certificate is still incomplete in what we read (`Chains.pending`: the first of a
+    group to publish its commit) is not named."""
+    claims = [*((r.peer_id, r.outer_step, r.sha256, [r.statement]) for r in progress if is_live(r, now, window)),
+              *((p, c.outer_step, c.sha256, c.statements) for p, c in commits.items())]
+
+    def lie(peer: str, s: int, sha: str, statements: Sequence[Optional[Statement]]) -> bool:
+        own = next((st for st in statements if st is not None and (st.outer_step, st.sha256) == (s, sha)), None)
+        return not backed.grounded(s, sha) and (own is None or not backed.pending(peer, own))
+    return tuple(sorted({p for p, s, sha, statements in claims if p != me and s > outer_step and sha
+                         and lie(p, s, sha, statements)}))
 
 
 def certified(me: str, progress: Sequence[ProgressRecord], commits: Mapping[str, CommitRecord], now: float,

@@ -268,3 +268,17 @@ def test_a_lineage_that_split_longer_ago_than_the_records_reach_stays_grounded_b
     at_30 = Chains(gather(late), Anchor(lineage, frozenset(four), remembered.credit()))
     assert at_30.counts("q", 30, theirs[30]) and at_30.counts("p", 30, ours[30])
     assert not at_30.counts("sybil0", 30, X)
+
+
+def test_the_first_of_a_group_to_publish_its_commit_is_not_named_before_its_groupmates_publish():
+    """Right after a group of three commits outer step 4, p's record shows it with p's statement while q's and ours
+    still show step 3: no certificate of step 4 yet, so p's vote does not count, but p is no liar. A newcomer
+    reading the same moment (no lineage) does not name it either; a fresh key making the same claim is named."""
+    honest, sybils, done = sybil_quorum()
+    first = record("p", 4, H[4], st(4, H[4], H[3], "04", 3))
+    fresh = record("sybil0", 4, H[4], st(4, H[4], H[3], "05", 3))  # a group of its own
+    records = [honest[0], first, honest[2], fresh]
+    position = assess(ME, 3, H[3], records, done, NOW, WINDOW, anchor=LINEAGE)
+    assert position.uncertified == ("sybil0",)
+    newcomer = assess("n", 0, H[0], [*records, record("n", 0, H[0])], done, NOW, WINDOW, anchor=Anchor({0: H[0]}))
+    assert "p" not in newcomer.uncertified
