@@ -112,7 +112,8 @@ def run(quick: bool) -> dict:
     table += (f"\n\n{params / 1e6:.1f}M parameters (training state {state_bytes / 1e9:.2f} GB), micro-batch "
               f"{cfg.data.batch_size}x{cfg.data.seq_len}, {spec['rounds']} rounds of H={spec['inner_steps']}, "
               f"3 peers + 1 joiner at round 2 on loopback, 1 torch thread each on 2 shared cores; blocking: "
-              f"`--diloco.delay 0`, delayed: `--diloco.delay 1`. Every peer ended on the same hash: {identical}. "
+              f"`--diloco.delay 0`, delayed: `--diloco.delay 1`; pseudo-gradients sent {cfg.swarm.compression} "
+              f"(the config's swarm.compression). Every peer ended on the same hash: {identical}. "
               f"All-reduce time against hivemind's averager: section 5.")
     return {"table": table, "params": params, "state_bytes": state_bytes, "solo_peak_ratio": floor, "modes": modes,
             "config": spec, "wall_s_swarm": time.time() - start, "timestamp": stamp()}
