@@ -9,6 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from swarm.config import ModelConfig
+from swarm.train.sharding import Layout
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, tokenizer: str = "bytes", device: str | torch.device = "cpu",
@@ -72,13 +73,12 @@ def fill_rows(model: torch.nn.Module, rows_of: Callable[[str, torch.Size, slice]
 
 
 def own_rows(param: torch.Tensor) -> slice:
-    """The rows of dim 0 this rank holds of `param`: all of them, or for an FSDP2 shard those of torch.chunk's
-    cut (FSDP2's own: ceil(rows / K) per rank, the last ranks short or empty)."""
+    """The rows of dim 0 this rank holds of `param`: all of them, or for an FSDP2 shard those the sharded state's
+    layout gives its rank (swarm/train/sharding.py `Layout.rows`, FSDP2's own cut)."""
     if not hasattr(param, "to_local"):
         return slice(None)
-    ranks, rank = param.device_mesh.size(), param.device_mesh.get_local_rank()
-    per = -(-param.shape[0] // ranks)
-    return slice(min(rank * per, param.shape[0]), min((rank + 1) * per, param.shape[0]))
+    mesh = param.device_mesh
+    return slice(*Layout((param.shape,), mesh.size(), mesh.get_local_rank()).rows(0))
 
 
 def init_weights(model: torch.nn.Module, seed: int, std: float) -> None:
