@@ -227,6 +227,14 @@ class _GroupAverager(DecentralizedAverager):
         leader = self.began_by.pop(group_info.group_id, None)
         return {"leader": None if leader is None else leader.to_base58(), "gathered": gathered}
 
+    async def _shutdown(self, timeout: Optional[float]) -> None:
+        """hivemind's, then close our replica of the DHT's p2p daemon: hivemind leaves it open, and with it the
+        replica's socket file in /tmp, one more left behind by every peer that ever ran."""
+        try:
+            await super()._shutdown(timeout)
+        finally:
+            await self._p2p.shutdown()  # a replica: closes our client and removes its socket; the daemon runs on
+
     def refuse(self, peer_id: str, timeout: float) -> None:
         """Ban `peer_id` in the averager's process too (TimeoutError if it does not answer within `timeout`)."""
         future = MPFuture()

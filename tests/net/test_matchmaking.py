@@ -198,3 +198,29 @@ def test_a_meta_not_signed_by_its_member_is_refused_naming_its_sender():
         finally:
             for m in makers:
                 m.close()
+
+
+def unix_sockets(pid: int) -> set[str]:
+    """The paths of the unix sockets process `pid` holds open (its fds matched against /proc/net/unix)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            if (target := str(fd.readlink())).startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+    return {fields[7] for fields in map(str.split, lines) if len(fields) > 7 and fields[6] in inodes}
+
+
+@pytest.mark.timeout(60)
+def test_a_closed_matchmaker_leaves_no_socket_file_behind():
+    """hivemind's averager left its replica of the DHT's daemon open on shutdown, and with it a socket file in /tmp
+    for every peer that ever ran."""
+    with three_dhts() as dhts:
+        maker = Matchmaker(fast_cfg(), dhts[0], "fp")
+        try:
+            files = {path for path in unix_sockets(maker.averager.pid) if path.startswith("/tmp/hivemind-")}
+            assert files and all(Path(path).exists() for path in files)
+        finally:
+            maker.close()
+    assert not maker.averager.is_alive()
+    assert [path for path in files if Path(path).exists()] == []
