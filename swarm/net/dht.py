@@ -140,6 +140,14 @@ def allowed_peers(cfg: SwarmConfig) -> Optional[frozenset[str]]:
     return frozenset(cfg.allowed_peers) if cfg.auth == "allowlist" else None
 
 
+P2PD_SERVICES = dict(use_relay=False, nat_port_map=False, auto_nat=False)
+"""libp2p services p2pd runs by default that swarm never uses, off: circuit relay (a client dials out and needs
+none; a relayed connection is capped far below a round's bytes), NAT port mapping (it would map the DHT port
+only, not the data plane's, and it probes the local network with UPnP multicast) and AutoNAT (reachability is
+declared, `swarm.client_mode`; its service dials back addresses that remote peers name). Each costs CPU at every
+daemon start and keeps goroutines running for its life."""
+
+
 def start_dht(cfg: SwarmConfig, identity: Optional[Identity] = None, *, fingerprint: Optional[str] = None,
               run: Optional[RunIdentity] = None) -> hivemind.DHT:
     """Start a DHT peer for `cfg` as `identity` (default: `swarm.identity`); with `run` (or only its
@@ -165,6 +173,7 @@ def start_dht(cfg: SwarmConfig, identity: Optional[Identity] = None, *, fingerpr
             check_if_identity_free=identity.path is not None and not identity.made_now,
             record_validators=schema.validators(cfg.run_id, identity, allowed),
             startup_timeout=cfg.bootstrap_timeout,  # p2pd start-up (its default, 15 s, is the usual field failure)
+            **P2PD_SERVICES,
             bootstrap_timeout=cfg.bootstrap_timeout, ensure_bootstrap_success=bool(initial),
         )
         try:

@@ -5,6 +5,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import REPO, fast_cfg
@@ -12,6 +13,7 @@ from conftest import REPO, fast_cfg
 from swarm.errors import SwarmError, UsageError
 from swarm.net.dht import start_dht, visible_maddrs
 from swarm.net.identity import load_identity
+from tests.conftest import descendants
 
 pytestmark = pytest.mark.slow  # starts peers, DHTs or `swarm` processes (make test-fast leaves it out)
 
@@ -81,6 +83,19 @@ def test_identity_file_fixes_the_peer_id(tmp_path):
         ids.append(visible_maddrs(dht)[0].split("/p2p/")[1])
         dht.shutdown()
     assert ids[0] == ids[1]
+
+
+@pytest.mark.timeout(20)
+def test_the_daemon_runs_none_of_the_libp2p_services_swarm_does_not_use():
+    """No circuit relay, NAT port mapping or AutoNAT (swarm.net.dht.P2PD_SERVICES): NAT port mapping would probe
+    the local network's gateway with UPnP and NAT-PMP from every peer, a test's included."""
+    dht = start_dht(fast_cfg())
+    try:
+        (args,) = [Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0") for pid in descendants(dht.pid)
+                   if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].endswith(b"p2pd")]
+    finally:
+        dht.shutdown()
+    assert {"-relay=0", "-natPortMap=0", "-autonat=0"} <= set(args), args
 
 
 @pytest.mark.timeout(40)
