@@ -2,6 +2,8 @@
 the last `checkpoint.keep` kept, pieces read into blocks (sharded peers)."""
 
 
+import threading
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -9,6 +11,7 @@ from safetensors.torch import load_file
 from swarm.run.runid import run_identity
 from swarm.state.checkpoint import Checkpointer, CorruptCheckpoint
 from swarm.state.checkpoint_format import tensor_entry, write_index
+from swarm.state.shard_checkpoint import ShardCheckpointer
 from swarm.state.tensorfile import write
 from swarm.train.averaging import SoloAverager
 from swarm.train.trainer import Trainer
@@ -57,6 +60,33 @@ def test_keep_n_keeps_the_newest_n_and_a_writer_s_leftovers_are_swept(run, tmp_p
     assert Checkpointer(tmp_path).load_all()[1]["round"] == 4  # ... which no reader sees
     ckpt.abort()
     assert not list(tmp_path.glob(".partial-*"))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("make", [Checkpointer, lambda folder: ShardCheckpointer(folder, 1, 0, 1, 1, lambda key: None)],
+                         ids=["whole", "sharded"])
+def test_the_begun_moments_are_owed_until_written_even_once_the_round_committed(tmp_path, make):
+    """begin() writes the AdamW moments in the background and the trainer changes them once wait_begun() returns.
+    A commit() that came first used to forget that write: wait_begun() returned at once, and the next inner steps
+    changed moments still being written (a checkpoint holding parts of two steps' moments, its CRCs matching)."""
+    written = threading.Event()
+
+    class Slow(dict):  # its tensors are handed to the writer only once the test says so
+        def items(self):
+            written.wait(20)
+            return super().items()
+
+    ckpt = make(tmp_path)
+    ckpt.begin(Slow({"adam.m": torch.ones(4)}))
+    ckpt.commit({"global.w": torch.zeros(2)}, {"round": 1})
+    waiter = threading.Thread(target=ckpt.wait_begun)
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive()  # the moments are still being written: they must not change yet
+    written.set()
+    waiter.join(20)
+    ckpt.wait()
+    assert not waiter.is_alive() and Checkpointer(tmp_path).load_all()[1]["round"] == 1
 
 
 @pytest.mark.timeout(60)

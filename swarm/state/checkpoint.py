@@ -45,6 +45,7 @@ import os
 import re
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
@@ -117,10 +118,14 @@ class Checkpointer:
         self._entries = {}
         self._begun = self._run(lambda: self._write_file(INNER, tensors))
 
-    def wait_begun(self) -> None:
+    def wait_begun(self) -> float:
+        """Until the begun tensors are on disk (a commit since changes nothing: they are still being read); the
+        seconds waited."""
+        start = time.perf_counter()
         if self._begun is not None:
             self._begun.join()
             self._begun = None
+        return time.perf_counter() - start
 
     def commit(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """Finish the begun checkpoint with `tensors` (they must not change until `wait()`) and `meta` (its
@@ -139,8 +144,7 @@ class Checkpointer:
                 self._prune()
             finally:
                 self._close()
-        self._begun = None
-        self._committing = self._run(finish)
+        self._committing = self._run(finish)  # `_begun` stays: until it ends, its tensors must not change
 
     def _install(self, target: Path) -> None:
         """Rename the written checkpoint into place (replacing one of the same round), durably."""

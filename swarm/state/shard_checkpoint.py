@@ -104,8 +104,8 @@ class ShardCheckpointer(Checkpointer):
                 self._prune()
             finally:
                 self._close()
-        self._begun, self._pending = None, False
-        self._committing = self._run(finish)
+        self._pending = False
+        self._committing = self._run(finish)  # `_begun` stays: until it ends, its tensors must not change
 
     def abort(self) -> None:
         """Drop a begun checkpoint (every rank drops it); never one committed, which rank 0 may be installing."""

@@ -20,6 +20,7 @@ class RoundFacts:
     compute_s: float  # its inner steps
     start: float  # time.perf_counter() when its inner steps began
     tokens_per_s: float
+    stall_s: float = 0.0  # of the time its inner steps took, waiting for a checkpoint's AdamW moments to be on disk
     dump: Optional[dict[str, Any]] = None  # logging.dump_tensors: the exchange's inputs (`round_inputs`)
 
 

@@ -73,6 +73,7 @@ class Trainer:
         self.exchange: Optional[Exchange] = None  # the exchange in flight (diloco.delay): never more than one
         self.closing: Optional[RoundFacts] = None  # what the round the exchange in flight closes measured
         self.cost = ExchangeCost()  # the exchanges settled since the last round closed
+        self.stall_s = 0.0  # this round's inner steps so far, waiting for a checkpoint's moments (inner_step)
         self.precision = autocast(cfg.inner.precision, self.device)
         self.optimizer = build_optimizer(self.model, cfg)
         self.train_model = ranks.wrap(self.model, sharded)  # DDP over the peer's ranks, or the model itself
@@ -120,6 +121,8 @@ class Trainer:
         loss = self.ranks.mean(loss)
         if self.cfg.inner.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.inner.grad_clip)
+        if self.checkpointer is not None:  # a begun checkpoint may still be writing the moments step() changes
+            self.stall_s += self.checkpointer.wait_begun()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -181,9 +184,7 @@ class Trainer:
         round = self.diloco.round + 1 + (self.exchange is not None)  # the last round may still be landing
         self._hold(round)
         start = time.perf_counter()
-        if self.checkpointer is not None:
-            self.checkpointer.wait_begun()  # it may still write the last round's AdamW moments: overhead
-        inner_start, paused, losses, last_report = time.perf_counter(), 0.0, [], 0.0
+        inner_start, paused, losses, last_report, self.stall_s = time.perf_counter(), 0.0, [], 0.0, 0.0
         while self.progress.inner < cfg.inner_steps and self.diloco.round < cfg.rounds:
             self._inject_faults(round, self.progress.inner)
             losses.append(self.inner_step())
@@ -195,7 +196,7 @@ class Trainer:
             paused += self._run_due(self.fragments.due(self.progress.inner))  # a state taken may move the position
             if self._stops_early(round):
                 break
-        compute_s = time.perf_counter() - inner_start - paused
+        compute_s = time.perf_counter() - inner_start - paused - self.stall_s
         if self.exchange is not None:  # a round cut short before the exchange in flight landed
             self._settle()
         if self.diloco.round >= cfg.rounds:  # a state taken meanwhile ended the run
@@ -210,7 +211,7 @@ class Trainer:
         self._publish_progress(inner_start, losses, ready=True)
         tokens = self.cfg.data.batch_size * self.cfg.data.seq_len * len(losses)
         self.closing = RoundFacts(train_loss=sum(losses) / len(losses), compute_s=compute_s, start=start,
-                                  tokens_per_s=tokens / compute_s)
+                                  tokens_per_s=tokens / compute_s, stall_s=self.stall_s)
         self._launch(self.fragments.last)
         if not self.exchange.delayed:
             self._settle()
@@ -394,14 +395,13 @@ class Trainer:
             self.non_finite_tries = 0
         if checkpoint and committed:  # the rest goes to disk while the next round's inner steps run
             inner, rest, meta = self.state.checkpoint_parts()
-            if exchange.delayed:  # mid-round: the moments must be on disk before the next inner step
+            if exchange.delayed:  # mid-round: written while the next inner step's forward and backward run
                 self.checkpointer.begin(inner)
-                self.checkpointer.wait_begun()
             self.checkpointer.commit(rest, meta)
         if committed:
             self.state.serve_state()
         if exchange.delayed:  # the snapshot and launch of the exchange, then this close
-            record.overhead_s = exchange.launch_s + time.perf_counter() - close_start
+            record.overhead_s = exchange.launch_s + time.perf_counter() - close_start + facts.stall_s
         else:
             record.overhead_s = max(0.0, time.perf_counter() - facts.start - facts.compute_s - record.comm_s)
         if committed:
