@@ -63,6 +63,29 @@ def test_outer_step_equals_torch_nesterov_sgd_on_the_mean():
     assert diloco.round == 4
 
 
+@pytest.mark.parametrize("momentum, nesterov", [(0.9, True), (0.9, False), (0.0, False)])
+def test_own_outer_step_is_the_outer_step_a_peer_would_take_alone(momentum, nesterov):
+    """Where a delayed exchange resumes the local model from (swarm/train/overlap.py): the global parameters after
+    an outer step on this peer's own pseudo-gradient, computed without changing anything; at the first outer step
+    (no momentum yet) and at a later one."""
+    diloco = DiLoCo(_model([1.0, 2.0]), OuterConfig(lr=0.7, momentum=momentum, nesterov=nesterov))
+    for local, average in (([[0.5, 2.5]], [[0.25, -0.75]]), ([[1.5, 0.5]], [[-0.5, 0.25]])):
+        local = torch.tensor(local)
+        before = [g.clone() for g in diloco.global_params]
+        own = diloco.own_outer_step(0, local)
+        assert torch.equal(diloco.global_params[0], before[0])  # nothing changed
+        buffers = [b.clone() for b in diloco.momentum_buffers() or []]
+        reference = torch.optim.SGD([torch.nn.Parameter(before[0].clone())], lr=0.7, momentum=momentum,
+                                    nesterov=nesterov)
+        if buffers:
+            reference.state[reference.param_groups[0]["params"][0]] = {"momentum_buffer": buffers[0]}
+        (param,) = reference.param_groups[0]["params"]
+        param.grad = before[0] - local
+        reference.step()
+        assert torch.allclose(own, param.detach(), atol=1e-6, rtol=0)
+        diloco.outer_step([torch.tensor(average)])
+
+
 def test_outer_step_leaves_the_averaged_buffers_intact_and_bumps_the_version():
     """Groupmates may still read the average from us after our outer step (all-reduce repairs)."""
     model = _model([1.0, 2.0])

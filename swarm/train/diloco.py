@@ -153,13 +153,17 @@ class DiLoCo:
         Nesterov); nothing is changed."""
         g = self.global_params[index]
         hyper = self.outer_optimizer.param_groups[0]
+        lr, m = hyper["lr"], hyper["momentum"]
+        # torch's operations in torch's order (every rounding as an outer step would round it), but in two tensors
+        # rather than one fresh tensor per operation: this runs at each delayed launch and land over the whole model
         d = g - local.to(g.device, torch.float32)
-        step = d
-        if hyper["momentum"]:
-            buf = self.outer_optimizer.state.get(g, {}).get("momentum_buffer")
-            buf = d.clone() if buf is None else buf * hyper["momentum"] + d
-            step = d + hyper["momentum"] * buf if hyper["nesterov"] else buf
-        return g - hyper["lr"] * step
+        if not m:
+            return torch.sub(g, d.mul_(lr))
+        buf = self.outer_optimizer.state.get(g, {}).get("momentum_buffer")
+        step = d.clone() if buf is None else torch.mul(buf, m).add_(d)  # buf' = momentum * buf + d
+        if hyper["nesterov"]:
+            step.mul_(m).add_(d)  # d + momentum * buf'
+        return torch.sub(g, step.mul_(lr), out=d)
 
     def changing(self):
         """Context for any change to the global parameters or the outer momentum (see `version`)."""
