@@ -154,8 +154,8 @@ class DiLoCo:
         g = self.global_params[index]
         hyper = self.outer_optimizer.param_groups[0]
         lr, m = hyper["lr"], hyper["momentum"]
-        # torch's operations in torch's order (every rounding as an outer step would round it), but in two tensors
-        # rather than one fresh tensor per operation: this runs at each delayed launch and land over the whole model
+        # The rule's operations in the order written above, each rounded as it always was, but in two tensors rather
+        # than a fresh one per operation: this runs at each delayed launch and land, over the whole model
         d = g - local.to(g.device, torch.float32)
         if not m:
             return torch.sub(g, d.mul_(lr))
