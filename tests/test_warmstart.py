@@ -194,8 +194,9 @@ def test_a_rank_reads_its_rows_of_a_tensor_and_no_others(tmp_path, kind):
     stored = torch.randn(5, 4).to(torch.bfloat16)
     path = tmp_path / f"weights.{kind}"
     save_file({"w": stored}, path) if kind == "safetensors" else torch.save({"w": stored}, path)
-    rows = pretrained.read_rows(path, "w", (5, 4), slice(2, 4), "folder")
-    assert rows.dtype == torch.float32 and torch.equal(rows, stored[2:4].float())
-    assert pretrained.read_rows(path, "w", (5, 4), slice(5, 5), "folder").shape == (0, 4)
-    with pytest.raises(UsageError, match=r"folder: tensor w is \(5, 4\), the model's \(4, 5\)"):
-        pretrained.read_rows(path, "w", (4, 5), slice(0, 2), "folder")
+    with pretrained.WeightFiles([path], "folder") as weights:
+        rows = weights.rows("w", (5, 4), slice(2, 4))
+        assert rows.dtype == torch.float32 and torch.equal(rows, stored[2:4].float())
+        assert weights.rows("w", (5, 4), slice(5, 5)).shape == (0, 4)
+        with pytest.raises(UsageError, match=r"folder: tensor w is \(5, 4\), the model's \(4, 5\)"):
+            weights.rows("w", (4, 5), slice(0, 2))

@@ -13,6 +13,7 @@ the model's embedding must fit the tokenizer (`load`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -20,7 +21,7 @@ import logging
 import os
 import zipfile
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from swarm.config import Config, ModelConfig
 from swarm.errors import UsageError
@@ -153,35 +154,50 @@ def load(cfg: ModelConfig, vocab_size: int, tokenizer: str, device="cpu", shard=
 
 def _read_rows(model, files: list[Path], where: str, device) -> None:
     """Each parameter of `model` (on the meta device, sharded) from the weight `files` (safetensors, or torch.save
-    zips), a tensor at a time: a rank reads only its rows of it (`read_rows`), cast to fp32."""
+    zips), a tensor at a time: a rank reads only its rows of it (`WeightFiles.rows`), cast to fp32."""
     from swarm.train.model import fill_rows, materialize
 
-    located = {}
-    for path in files:
-        with _open(path) as f:
-            located.update({key: path for key in f.keys()})
-    materialize(model, device)
-
-    def rows_of(name: str, shape, rows: slice):
-        if name not in located:
-            raise UsageError(f"model.pretrained {where} holds no tensor {name}")
-        return read_rows(located[name], name, tuple(shape), rows, where)
-    fill_rows(model, rows_of)
+    with WeightFiles(files, where) as weights:
+        materialize(model, device)
+        fill_rows(model, weights.rows)
 
 
-def read_rows(path: Path, name: str, shape: tuple, rows: slice, where: str):
-    """Rows `rows` (of dim 0) of tensor `name` of the weight file `path`, in fp32, reading no other rows: a
-    safetensors slice, or rows of a memory-mapped torch.save zip (only their pages are read); UsageError
-    naming the tensor if its shape is not `shape`."""
-    with _open(path) as f:
+class WeightFiles:
+    """The weight files of a checkpoint, each opened once for as long as the `with` block lasts (a torch.save zip's
+    index is unpickled once, not once per tensor): any stored tensor's rows, by name."""
+
+    def __init__(self, files: list[Path], where: str):
+        self.files, self.where = files, where
+        self._stack = contextlib.ExitStack()
+        self._located: dict[str, tuple[Path, Any]] = {}  # tensor name -> its file and the file opened
+
+    def __enter__(self) -> WeightFiles:
+        with self._stack:
+            for path in self.files:
+                f = self._stack.enter_context(_open(path))
+                self._located.update({key: (path, f) for key in f.keys()})
+            self._stack = self._stack.pop_all()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._located = {}
+        self._stack.close()
+
+    def rows(self, name: str, shape, rows: slice):
+        """Rows `rows` (of dim 0) of tensor `name`, in fp32, reading no other rows: a safetensors slice, or rows of
+        a memory-mapped torch.save zip (only their pages are read); UsageError naming the tensor if the files hold
+        none of that name, or one whose shape is not `shape`."""
+        if name not in self._located:
+            raise UsageError(f"model.pretrained {self.where} holds no tensor {name}")
+        path, f = self._located[name]
         if path.suffix == ".safetensors":
             piece = f.get_slice(name)
             found = tuple(piece.get_shape())
         else:
             piece = f.get_tensor(name)
             found = tuple(piece.shape)
-        if found != shape:
-            raise UsageError(f"model.pretrained {where}: tensor {name} is {found}, the model's {shape}")
+        if found != tuple(shape):
+            raise UsageError(f"model.pretrained {self.where}: tensor {name} is {found}, the model's {tuple(shape)}")
         return piece[rows].float()
 
 
