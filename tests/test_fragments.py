@@ -272,7 +272,7 @@ def test_a_peer_behind_at_a_mid_round_exchange_goes_on_from_the_donors_inner_ste
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("fragments, delay, first", [(1, 0, 1), (1, 2, 1), (2, 0, 5), (2, 2, 7), (3, 1, 7)])
 def test_a_round_ends_early_only_after_its_last_mid_round_exchange_landed(tmp_path, fragments, delay, first):
-    """A straggler cuts its round short to meet peers that wait (others_ready) only once every mid-round exchange
+    """A straggler cuts its round short to meet peers that wait (round_over) only once every mid-round exchange
     of the round has landed (H = 10: fragment f starts after inner step (f + 1) * 10 // F, lands `delay` later)."""
     cfg = tiny_config(diloco={"rounds": 1, "inner_steps": 10, "delay": delay, "fragments": fragments},
                       checkpoint={"every": 0})

@@ -12,7 +12,7 @@ calls in with bounded waits:
   that meets nobody and that the records show alone applies its own step; once it has averaged with others,
   it does so without matchmaking when the records show nobody else live at its outer step or the one before
   (until its first group, peers starting with it may not have a record yet).
-- `publish_progress()`, `others_ready()`, `offer_state()`: this peer's signed progress and commit records and
+- `publish_progress()`, `round_over()`, `offer_state()`: this peer's signed progress and commit records and
   the others' (`records`: records.py); a state is served to newcomers once its commit is recorded.
 - `fetch_state()`: take the swarm's state from the donors the policy names, verified against the hash the
   swarm committed; SwarmError if the swarm is ahead and no donor can give it within the live window plus
@@ -156,8 +156,8 @@ class SwarmAverager(Averager):
                          wait: bool = False) -> None:
         self.records.publish_progress(outer_step, inner_step, samples, samples_per_s, ready, sha256, stats, wait)
 
-    def others_ready(self, outer_step: int) -> bool:
-        return self.records.others_ready(outer_step)
+    def round_over(self, outer_step: int) -> bool:
+        return self.records.round_over(outer_step)
 
     def offer_state(self, snapshot: Snapshot, wait: bool = False) -> None:
         self.records.offer_state(snapshot, wait)

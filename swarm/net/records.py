@@ -8,8 +8,8 @@ it stands by the records of others (`policy.assess`).
 - `peers()`, `assess()`: the run's records as their signers wrote them, and the policy's verdict on them (with
   nobody else live, by the last commits of the keys `ledger` knows: ledger.py); peers whose claims the policy
   ignored are noted in this peer's events (access.py).
-- `others_ready()`: whether most live groupmates finished their inner steps (the trainer asks after every
-  inner step; the DHT is read at most once per `progress_interval`).
+- `round_over()`: whether most live groupmates finished their inner steps or the swarm moved past us (the
+  trainer asks after every inner step; the DHT is read at most once per `progress_interval`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,18 @@ from swarm.train.averaging import PeerStats, Snapshot
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """Where the trainer last said it stands (`publish_progress`): what every progress record we store carries."""
+
+    outer_step: int
+    inner_step: int
+    samples: int
+    samples_per_s: float
+    ready: bool
+    sha256: str
+
+
 class Records:
     """A peer's own progress and commit records, stored by a heartbeat thread (`start()` ... `close()`), and
     its reading of everyone's records, with the keys `ledger` knows (ledger.py). `server` is the peer's state
@@ -49,10 +61,10 @@ class Records:
         self._owner = owner  # our owner marker: the subkey of every record we write (we sign them)
         self._work = work  # the nonce of our proof of work (swarm.identity_work), in every record we write
         self._stats = PeerStats()  # the last ones the trainer gave, in every record until it gives others
-        self._last_progress: Optional[tuple] = None  # publish_progress arguments, re-sent by the heartbeat
+        self._last_progress: Optional[Progress] = None  # re-sent by the heartbeat
         self._published: Optional[schema.ProgressRecord] = None  # our last record, as we made it
         self._seen: dict[str, schema.ProgressRecord] = {}  # the newest record of each peer read, while live
-        self._ready_seen: tuple[int, float, bool] = (-1, 0.0, False)  # others_ready: (outer step, when, answer)
+        self._ready_seen: tuple[int, float, bool] = (-1, 0.0, False)  # round_over: (outer step, when, answer)
         self._dht_lock = threading.Lock()  # the trainer's thread and the heartbeat share the DHT's pipe
         self._stopping = threading.Event()
         self._progress_due = threading.Event()  # the trainer published a record: the heartbeat stores it now
@@ -98,7 +110,8 @@ class Records:
 
     def announced_ready(self, outer_step: int) -> bool:
         """Whether our last published record says we are ready for `outer_step`."""
-        return self._last_progress is not None and self._last_progress[0] == outer_step and self._last_progress[4]
+        last = self._last_progress
+        return last is not None and last.outer_step == outer_step and last.ready
 
     def publish_progress(self, outer_step: int, inner_step: int, samples: int, samples_per_s: float,
                          ready: bool = False, sha256: str = "", stats: Optional[PeerStats] = None,
@@ -109,7 +122,7 @@ class Records:
         thread, returning once the DHT confirmed it (or after request_timeout), for announcements that
         others must see before this peer goes on (taking a state, finished)."""
         self._stats = stats or self._stats
-        self._last_progress = (outer_step, inner_step, samples, samples_per_s, ready, sha256)
+        self._last_progress = Progress(outer_step, inner_step, samples, samples_per_s, ready, sha256)
         if wait:
             self._store_progress(wait=True)
         else:
@@ -117,12 +130,12 @@ class Records:
 
     def _store_progress(self, wait: bool) -> None:
         with self._dht_lock:  # read, stamp and send in one go: a later store always carries later content
-            outer_step, inner_step, samples, samples_per_s, ready, sha256 = self._last_progress
-            now = get_dht_time()
+            last, now = self._last_progress, get_dht_time()
             record = schema.ProgressRecord(
-                peer_id=self.peer_id, name=self.peer_name, round=outer_step, inner_step=inner_step, samples=samples,
-                samples_per_s=float(samples_per_s), time=float(now), serves_state=self.server.snapshot is not None,
-                ready=ready, sha256=sha256, work=self._work, statement=self._statement(outer_step, sha256),
+                peer_id=self.peer_id, name=self.peer_name, round=last.outer_step, inner_step=last.inner_step,
+                samples=last.samples, samples_per_s=float(last.samples_per_s), time=float(now),
+                serves_state=self.server.snapshot is not None, ready=last.ready, sha256=last.sha256, work=self._work,
+                statement=self._statement(last.outer_step, last.sha256),
                 **schema.watched(**dataclasses.asdict(self._stats)))
             self._published = record
             future = self.dht.store(schema.progress_key(self.cfg.run_id), self.hooks.progress(record.dict()),
@@ -130,7 +143,7 @@ class Records:
                                     expiration_time=now + self.cfg.progress_expiration, return_future=True)
         # Stores not waited for overlap: a DHT node keeps the record that expires last and refuses an older one
         # that arrives after it, which is no loss once a later record of ours was sent.
-        self._confirm(future, f"progress record of outer step {outer_step}", wait,
+        self._confirm(future, f"progress record of outer step {last.outer_step}", wait,
                       superseded=lambda: self._published is not record)
 
     def _statement(self, outer_step: int, sha256: str) -> Optional[schema.Statement]:
@@ -175,13 +188,20 @@ class Records:
         """Record the commit, then serve `snapshot`: a newcomer checks what it downloads against the commit
         records. Returns at once, like publish_progress, unless `wait`: the heartbeat thread does both, so the
         trainer never waits for the DHT here. Our lineage and our
-        statement of the commit (`sign`) go to the ledger, for our records and our readings of others'."""
+        statement of the commit (`sign`) go to the ledger, for our records and our readings of others'. Our
+        progress record moves to the committed outer step (not ready) at once: until the trainer's next record,
+        the heartbeat would re-store one ready for the outer step just committed, and a peer still there (one
+        that finished taking a state meanwhile) would take us for groupmates waiting to average it."""
         signing, self._signing = self._signing, None
         statement = None
         if signing is not None and signing.outer_step == snapshot.outer_step:
             statement = signing.copy(update={"sha256": snapshot.sha256})
         self.ledger.hold(snapshot.outer_step, snapshot.sha256, statement)
         self._committed = snapshot.sha256
+        last = self._last_progress
+        if last is not None:  # our progress record moves with the commit, stored right after its commit record
+            self._last_progress = dataclasses.replace(last, outer_step=snapshot.outer_step, sha256=snapshot.sha256,
+                                                      ready=False)
         with self._commit_lock:
             self._offered = snapshot
             if not wait:
@@ -189,6 +209,7 @@ class Records:
                 self._progress_due.set()
                 return
         self._store_commit(snapshot)
+        self._progress_due.set()
 
     def withdraw_state(self) -> None:
         """Serve nothing from now on (our state is about to be overwritten), not even an offer still pending."""
@@ -276,7 +297,7 @@ class Records:
 
     def assess(self, outer_step: int, sha256: str, commits: bool = True) -> policy.Position:
         """Where we stand at `outer_step` with state hash `sha256` by the records (policy.assess); without
-        `commits`, the commit records are not read (`others_ready` needs only the progress records). A read
+        `commits`, the commit records are not read (`round_over` needs only the progress records). A read
         that failed makes it UNSURE."""
         records = self.read(schema.commits_key(self.cfg.run_id), schema.CommitRecord) if commits else {}
         if records is None:
@@ -299,16 +320,20 @@ class Records:
         """What we ground certificates on (certificates.py): the hashes we held, the run's founders (ledger.py)."""
         return Anchor(self.ledger.lineage, self.ledger.founders, self.ledger.credit, self.ledger.steps)
 
-    def others_ready(self, outer_step: int) -> bool:
-        """Asked after every inner step; reads the DHT at most once per `progress_interval` (a fresh answer
-        is no fresher than the progress records it reads)."""
+    def round_over(self, outer_step: int) -> bool:
+        """Whether the trainer's round at `outer_step` should end now (`Averager.round_over`): most live groupmates
+        finished their inner steps, or the swarm committed past `outer_step`. Asked after every inner step; reads
+        the DHT at most once per `progress_interval` (a fresh answer is no fresher than the records it reads)."""
         seen, asked, answer = self._ready_seen
         if seen == outer_step and time.monotonic() - asked < self.cfg.progress_interval:
             return answer
-        # our last record's hash only if it is the hash at `outer_step`: just after a commit the record still shows
-        # the step before, and that hash claimed at `outer_step` would make every groupmate's true record of it a lie
+        # our last record's hash only if it is the hash at `outer_step` (not before our first record): another hash
+        # claimed at `outer_step` would make every groupmate's true record of it a lie
         last = self._last_progress
-        sha = last[5] if last is not None and last[0] == outer_step else ""
-        answer = self.assess(outer_step, sha, commits=False).others_ready
+        sha = last.sha256 if last is not None and last.outer_step == outer_step else ""
+        position = self.assess(outer_step, sha, commits=False)
+        answer = position.others_ready
+        if position.verdict is policy.Verdict.BEHIND:  # one identity one vote so far: only certificates settle it
+            answer = self.assess(outer_step, sha).verdict is policy.Verdict.BEHIND
         self._ready_seen = (outer_step, time.monotonic(), answer)
         return answer

@@ -114,11 +114,12 @@ class Averager(ABC):
         """Tell the swarm how far this peer is; `ready`: its inner steps are done (no-op without a network).
         `stats`: what watchers see; None keeps the last ones given."""
 
-    def others_ready(self, outer_step: int) -> bool:
-        """True when another live peer at `outer_step` has finished its round's inner steps and waits to average.
-
-        A slower peer then cuts its round short and contributes the steps it has (weighted by samples).
-        """
+    def round_over(self, outer_step: int) -> bool:
+        """True when this peer's round at `outer_step` should end now: another live peer at `outer_step` finished
+        its round's inner steps and waits to average (a slower peer cuts its round short and contributes the steps
+        it has, weighted by samples), or the swarm committed past `outer_step` (a peer that finished taking a state
+        as the others committed the next: its exchange finds it behind and takes the swarm's state at once, rather
+        than after a round of inner steps that no group would average)."""
         return False
 
     def offer_state(self, snapshot: Snapshot) -> None:

@@ -38,7 +38,7 @@ round's first inner step (as with `diloco.delay`), dropping the local progress o
 exchange.
 
 Stragglers: as with one fragment, a peer whose groupmates finished their round and wait to average ends its round
-early (`others_ready`), but only after the round's last mid-round exchange landed (`may_stop_early`): peers of
+early (`round_over`), but only after the round's last mid-round exchange landed (`may_stop_early`): peers of
 unequal speed realign once per round. Between, a faster peer waits for a slower one in matchmaking (at most the
 matchmaking time, then it goes without it, and the slower peer takes the state at its next exchange).
 

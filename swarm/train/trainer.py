@@ -228,13 +228,15 @@ class Trainer:
         return time.perf_counter() - start
 
     def _stops_early(self, round: int) -> bool:
-        """A straggler's round ends here: peers wait to average, and every mid-round exchange has landed."""
+        """A straggler's round ends here (peers wait to average, or the swarm moved past it: `Averager.round_over`),
+        once every mid-round exchange has landed."""
         done, cfg = self.progress.inner, self.cfg.diloco
         if done >= cfg.inner_steps or self.exchange is not None or not self.fragments.may_stop_early(done):
             return False
-        if not self.ranks.share(self.averager.others_ready(self.diloco.outer_steps)):
+        if not self.ranks.share(self.averager.round_over(self.diloco.outer_steps)):
             return False
-        log.info("round %d: peers wait to average; contributing %d of %d inner steps", round, done, cfg.inner_steps)
+        log.info("round %d ends early (peers wait to average, or the swarm moved on): contributing %d of %d inner "
+                 "steps", round, done, cfg.inner_steps)
         self._inject_faults(round, done, stopping_early=True)
         return True
 

@@ -123,3 +123,67 @@ def test_the_records_keep_their_wire_names_and_read_them_as_outer_steps():
         wire = record.dict()
         for code, name in schema.WIRE_NAMES.items():
             assert getattr(record, code) == wire[name] == 3 and code not in wire, type(record).__name__
+
+
+@pytest.mark.timeout(30)
+def test_the_progress_record_moves_with_a_commit_and_is_not_ready_any_more():
+    """A peer ready for outer step 3 commits it (offer_state of outer step 4): the heartbeat stores the commit
+    record, then a progress record at outer step 4, on the new hash, not ready, at the same inner step. Before, it
+    re-stored the record ready at outer step 3 until the trainer's next one, an inner step later: a joiner that
+    finished taking the state of step 3 meanwhile took us for groupmates waiting to average it, cut its round
+    short and waited in matchmaking for a group nobody would form."""
+    dht = _SilentDHT()
+    records = _records(dht)
+    records.publish_progress(3, 30, 80, 1.0, ready=True, sha256="ab" * 32)
+    records.offer_state(SimpleNamespace(outer_step=4, sha256="cd" * 32))
+    records.start()
+    progress = lambda: [v for k, v in dht.stored if k == schema.progress_key("swarm-tiny")]  # noqa: E731
+    while not progress():
+        threading.Event().wait(0.01)
+    records.close()
+    assert dht.stored[0][0] == schema.commits_key("swarm-tiny")
+    last = progress()[-1]
+    assert (last["round"], last["sha256"], last["ready"], last["inner_step"]) == (4, "cd" * 32, False, 30)
+    assert not records.announced_ready(3) and not records.announced_ready(4)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("ahead", ["certified", "sybils"])
+def test_a_round_is_over_once_the_swarm_certified_an_outer_step_past_ours(ahead):
+    """Three groupmates committed outer step 4 while we took the state of step 3: our round is over at once (its
+    exchange finds us behind and takes the state), not after H inner steps nobody would average. Eight fresh keys
+    claiming step 4 without certificates end nobody's round: one identity one vote says behind, the certified
+    reading does not."""
+    from hivemind.utils import get_dht_time
+
+    from swarm.net.ledger import Ledger
+
+    h = {s: f"{s:x}".rjust(64, "0") for s in range(6)}
+    mates = ["p", "q", "r"]
+    statement = lambda s, who: schema.Statement(round=s, parent=h[s - 1], sha256=h[s], group=f"{s:02x}",  # noqa: E731
+                                                size=len(who))
+
+    def record(peer, step, sha, st=None):
+        return schema.ProgressRecord(peer_id=peer, name=peer, round=step, inner_step=0, samples=0, samples_per_s=0.0,
+                                     time=get_dht_time() - 0.5, serves_state=True, sha256=sha, statement=st)
+
+    ledger = Ledger()
+    ledger.found(["me", *mates])
+    for s in range(4):
+        ledger.hold(s, h[s])
+    history = {p: [statement(s, mates) for s in range(1, 5)] for p in mates}
+    commits = {p: schema.CommitRecord(name=p, round=4, sha256=h[4], time=get_dht_time() - 1, statements=st)
+               for p, st in history.items()}
+    if ahead == "certified":
+        others = {p: record(p, 4, h[4], history[p][-1]) for p in mates}
+    else:
+        others = {**{p: record(p, 3, h[3], history[p][2]) for p in mates},
+                  **{f"sybil{i}": record(f"sybil{i}", 4, "e" * 64) for i in range(8)}}
+        commits = {p: c.copy(update={"round": 3, "sha256": h[3], "statements": c.statements[:3]})
+                   for p, c in commits.items()}
+    records = Records(SwarmConfig(request_timeout=600.0, progress_interval=600.0), _SilentDHT(), "me", "peer-0",
+                      b"o", Access(), Hooks(), SimpleNamespace(snapshot=None), ledger=ledger)
+    records.publish_progress(3, 31, 8, 1.0, sha256=h[3])
+    mine = record("me", 3, h[3])
+    records.read = lambda key, model: ({**others, "me": mine} if model is schema.ProgressRecord else commits)
+    assert records.round_over(3) is (ahead == "certified")
