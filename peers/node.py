@@ -58,9 +58,11 @@ def run_peer(cfg: Config, out_dir: Path, name: Optional[str]) -> Path:
     ranks.init(cfg)  # the process group lives until the process ends (peers.launch.exit_rank)
     if ranks.endpoint:
         return _run_endpoint(cfg, out_dir, name, ranks)
+    from swarm.net.codec import kept_dtype
+
     name, peer_id = ranks.share(None)
-    trainer = Trainer(cfg, ranks.averager(None, networked=True), peer_id=peer_id, shard=cfg.data.shard,
-                      out_dir=out_dir, ranks=ranks, name=name)
+    trainer = Trainer(cfg, ranks.averager(None, networked=True, kept_dtype=kept_dtype(cfg.swarm.compression)),
+                      peer_id=peer_id, shard=cfg.data.shard, out_dir=out_dir, ranks=ranks, name=name)
     trainer.train()
     write_rank(out_dir, ranks, trainer)
     ranks.drain()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -56,6 +56,14 @@ class Buffers:
     def read(self, index: int, start: int, end: int) -> torch.Tensor:
         """Elements [start, end) of tensor `index`, as fp32 on the CPU."""
         return self.tensors[index].detach().view(-1)[start:end].float().cpu()
+
+    def restart(self) -> None:
+        """An all-reduce begins writing: forget what an earlier try left (here nothing: it writes every element)."""
+
+    def each(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """(index, tensor) for every tensor, shaped: what an outer step reads, one tensor at a time."""
+        for i, shape in enumerate(self.shapes):
+            yield i, self.tensors[i] if self.tensors else self.read(i, 0, self.numel(i)).view(shape)
 
     def fill(self, read: Callable[[int, int, int], torch.Tensor]) -> None:
         """Every tensor <- `read(index, start, end)` (a pseudo-gradient's), a piece at a time."""

@@ -72,7 +72,7 @@ def test_own_outer_step_is_the_outer_step_a_peer_would_take_alone(momentum, nest
     for local, average in (([[0.5, 2.5]], [[0.25, -0.75]]), ([[1.5, 0.5]], [[-0.5, 0.25]])):
         local = torch.tensor(local)
         before = [g.clone() for g in diloco.global_params]
-        own = diloco.own_outer_step(0, local)
+        own = diloco.own_outer_step(0, diloco.global_params[0] - local)
         assert torch.equal(diloco.global_params[0], before[0])  # nothing changed
         buffers = [b.clone() for b in diloco.momentum_buffers() or []]
         reference = torch.optim.SGD([torch.nn.Parameter(before[0].clone())], lr=0.7, momentum=momentum,

@@ -72,13 +72,23 @@ class Codec(ABC):
     def decode(self, buf: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
         """A 1-D fp32 tensor of `numel` elements from bytes made by `encode`; CodecError otherwise.
         A `bytearray` is used in place (the fp32 result may share its memory); other buffers are copied."""
+        raw = self._raw(buf, numel)
+        return self._decode(raw, numel) if numel else torch.empty(0)
+
+    def check(self, buf: bytes | bytearray | memoryview, numel: int) -> None:
+        """CodecError unless `buf` decodes to `numel` finite elements (bytes kept to be decoded later:
+        allreduce/layout.py `EncodedAverage`)."""
+        if not all_finite(self.decode(buf, numel)):
+            raise CodecError("the values are not finite")
+
+    def _raw(self, buf: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
+        """The payload as uint8, once its length is the one `numel` elements take."""
         if len(buf) != self.wire_bytes(numel):
             raise CodecError(f"{len(buf)} bytes do not hold {numel} {self.name} elements "
                              f"({self.wire_bytes(numel)} expected)")
         if numel == 0:
-            return torch.empty(0)
-        raw = buf if isinstance(buf, bytearray) else bytearray(buf)
-        return self._decode(torch.frombuffer(raw, dtype=torch.uint8), numel)
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(buf if isinstance(buf, bytearray) else bytearray(buf), dtype=torch.uint8)
 
     def round_trip(self, t: torch.Tensor) -> torch.Tensor:
         """What a receiver of `encode(t)` gets."""
@@ -179,8 +189,14 @@ class Int8Codec(_BlockCodec):
 
     name, block, bits = "int8", 64, 8
 
-    def __init__(self):
-        self._code = _bnb_functional().create_linear_map(signed=True).to(torch.float32)
+    _map = None
+
+    @property
+    def _code(self) -> torch.Tensor:
+        """The signed linear map, made on first use (an int8 codec that only counts bytes imports nothing)."""
+        if Int8Codec._map is None:
+            Int8Codec._map = _bnb_functional().create_linear_map(signed=True).to(torch.float32)
+        return Int8Codec._map
 
     def encode(self, t: torch.Tensor) -> bytes:
         t = self._check_input(t)
@@ -188,6 +204,12 @@ class Int8Codec(_BlockCodec):
             return b""
         codes, state = _bnb_functional().quantize_blockwise(t, code=self._code, blocksize=self.block)
         return self._pack(t.numel(), self._mark_non_finite(t, state.absmax.float()), codes.view(-1))
+
+    def check(self, buf: bytes | bytearray | memoryview, numel: int) -> None:
+        """Finite scales make finite values (every code stands for a level in [-1, 1]): nothing to decode."""
+        raw = self._raw(buf, numel)
+        if numel:
+            self._split(raw, numel)
 
     def _decode(self, raw: torch.Tensor, numel: int) -> torch.Tensor:
         scales, codes = self._split(raw, numel)
@@ -229,6 +251,12 @@ class Int4Codec(_BlockCodec):
 
 _CODECS: dict[str, type[Codec]] = {"none": NoneCodec, "fp16": Fp16Codec, "int8": Int8Codec, "int4": Int4Codec}
 EXACT = NoneCodec()
+
+
+def kept_dtype(name: str) -> torch.dtype:
+    """What a pseudo-gradient kept through a delayed exchange is stored in (swarm/train/overlap.py): fp16 where
+    compression `name` rounds it to fp16 or coarser on the wire anyway, else fp32."""
+    return torch.float16 if name in _CODECS and _CODECS[name].lossy else torch.float32
 
 
 def get_codec(name: str) -> Codec:

@@ -49,9 +49,18 @@ from swarm.config import FaultsConfig, SwarmConfig, live_window
 from swarm.errors import SwarmError
 from swarm.net import policy, schema
 from swarm.net.access import Access
-from swarm.net.allreduce import CONCLUSIVE, PROOF, AllReduce, AllReduceFailed, Contribution, Rule, WireLayout
+from swarm.net.allreduce import (
+    CONCLUSIVE,
+    PROOF,
+    AllReduce,
+    AllReduceFailed,
+    Contribution,
+    EncodedAverage,
+    Rule,
+    WireLayout,
+)
 from swarm.net.budget import chunk_elements, outer_step_deadline
-from swarm.net.codec import get_codec
+from swarm.net.codec import get_codec, kept_dtype
 from swarm.net.corpussync import CorpusServer
 from swarm.net.dataplane import DataPlane, hosts_of
 from swarm.net.dht import allowed_peers
@@ -91,6 +100,7 @@ class SwarmAverager(Averager):
                            f"counts, a huge pseudo-gradient); relax these only in a private swarm (swarm.auth: "
                            f"allowlist)")
         self._codec = get_codec(cfg.compression)
+        self.kept_dtype = kept_dtype(cfg.compression)
         self.averaged_once = False  # until a first group, peers starting with us may not have a record yet
         self._pool = concurrent.futures.ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 2)),
                                                            thread_name_prefix="swarm-cpu")
@@ -163,6 +173,10 @@ class SwarmAverager(Averager):
         self.records.offer_state(snapshot, wait)
 
     # ---- averaging: assess -> form a group -> reduce -> decide, until the outer step's deadline ---------------
+
+    def result_buffers(self, shapes: Sequence[torch.Size]) -> EncodedAverage:
+        """The average in the wire's bytes until the outer step reads it (int8: a quarter of fp32's memory)."""
+        return EncodedAverage(shapes)
 
     def average(self, outer_step: int, pseudo_grad: PseudoGradient, samples: int,
                 out: Sequence[torch.Tensor] | Buffers, base: str = "") -> ExchangeOutcome:

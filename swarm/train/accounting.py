@@ -11,9 +11,10 @@ Per rank of a peer of K ranks (`inner.parallel: fsdp`; with ddp, or K = 1, every
                     logits of one micro-batch)                                    `activation_bytes`
     where diloco.global_device says (cpu: host memory)
                     fp32 global parameters and outer momentum                     8 B x N / K
-                    the exchange's average, this rank's rows                       4 B x N / (K F)
-                    with diloco.delay >= 1, the snapshot of the local parameters the exchange in flight started
-                    from (swarm/train/overlap.py), alive through the next tau inner steps   4 B x N / (K F)
+                    the exchange's average, this rank's rows (K > 1)               4 B x N / (K F)
+                    ... or, K = 1, in the wire's bytes until it lands (int8: 1.0625)   w B x N / F
+                    with diloco.delay >= 1, the pseudo-gradient the exchange in flight took (swarm/train/overlap.py;
+                    fp16 with a lossy codec), alive through the next tau inner steps      2 or 4 B x N / (K F)
     host (K = 1)    error-feedback residual, with a lossy codec                   4 B x N / F
     page cache      the served copy of global parameters and momentum (file-backed, evictable)   8 B x N
                     the exchange's two node-local files, pseudo-gradient and average (swarm/train/sharding.py),
@@ -81,7 +82,7 @@ class Item:
 def plan(cfg: Config, shapes: Shapes, ranks: int, vocab_size: int) -> list[Item]:
     """What each rank of a peer of `ranks` ranks holds, item by item (the module docstring's table; with
     `inner.optimizer: adamw8bit` the moments take 2 bytes per parameter)."""
-    from swarm.net.codec import get_codec
+    from swarm.net.codec import get_codec, kept_dtype
 
     k = ranks if cfg.inner.parallel == "fsdp" else 1
     n, f = shapes.params, cfg.diloco.fragments
@@ -94,12 +95,18 @@ def plan(cfg: Config, shapes: Shapes, ranks: int, vocab_size: int) -> list[Item]
     items.append(Item("activations of one micro-batch (an estimate)", "device", activation_bytes(cfg, vocab_size)))
     outer = "host" if cfg.diloco.global_device == "cpu" else "device"  # the global parameters and their kin
     items.append(Item("fp32 global parameters and outer momentum", outer, 8 * n / k))
-    items.append(Item("the exchange's average (fp32)" if k == 1 else "the exchange's average, this rank's rows (fp32)",
-                      outer, 4 * n / (k * f)))
-    if k == 1 and cfg.swarm.error_feedback and get_codec(cfg.swarm.compression).lossy:
+    codec = get_codec(cfg.swarm.compression)
+    if k == 1:
+        items.append(Item(f"the exchange's average, in the wire's bytes ({codec.name})", "host",
+                          codec.wire_bytes(n) / f))
+    else:
+        items.append(Item("the exchange's average, this rank's rows (fp32)", outer, 4 * n / (k * f)))
+    if k == 1 and cfg.swarm.error_feedback and codec.lossy:
         items.append(Item("the exchange's error-feedback residual (fp32)", "host", 4 * n / f))
     if cfg.diloco.delay:
-        items.append(Item("the delayed exchange's snapshot of the local parameters (fp32)", outer, 4 * n / (k * f)))
+        kept = kept_dtype(cfg.swarm.compression)
+        items.append(Item(f"the pseudo-gradient a delayed exchange took ({str(kept).removeprefix('torch.')})", outer,
+                          kept.itemsize * n / (k * f)))
     if k > 1:
         items += [Item("the served copy of global parameters and momentum", "page cache", 8 * n),
                   Item("the exchange's node-local files (pseudo-gradient, average)", "page cache", 8 * n)]

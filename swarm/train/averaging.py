@@ -97,6 +97,9 @@ class Averager(ABC):
     """What the trainer needs from the swarm. The trainer never sees the DHT."""
 
     networked = False  # True where `fetch_state` can replace a lost or corrupt checkpoint
+    # what a pseudo-gradient kept through a delayed exchange is stored in (swarm/train/overlap.py): fp32 here, the
+    # precision it is averaged in; a lossy wire rounds it harder anyway
+    kept_dtype = torch.float32
 
     @abstractmethod
     def average(self, outer_step: int, pseudo_grad: PseudoGradient, samples: int,
@@ -108,6 +111,11 @@ class Averager(ABC):
         same base may average together (a step applied to different bases would never reconcile them).
         With `diloco.fragments` F > 1, `pseudo_grad` covers one fragment's tensors (swarm/train/fragments.py).
         """
+
+    def result_buffers(self, shapes: Sequence[torch.Size]) -> Sequence[torch.Tensor] | Buffers:
+        """Where `average` should write an average of tensors shaped `shapes`: fp32 tensors here; a networked
+        averager may keep it in its own form until read (`Buffers.each`)."""
+        return [torch.empty(s) for s in shapes]
 
     def publish_progress(self, outer_step: int, inner_step: int, samples: int, samples_per_s: float,
                          ready: bool = False, sha256: str = "", stats: Optional[PeerStats] = None) -> None:

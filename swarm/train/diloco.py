@@ -13,9 +13,10 @@ local model moved *against* it). With outer lr 1 and no momentum the outer step 
 (averaged) local parameters: that is FedAvg, and a test pins it.
 
 Memory: the pseudo-gradient is never materialized (the all-reduce reads it chunk by chunk), and the
-averaged buffers are the outer optimizer's `.grad`, freed after each step. SGD runs per tensor
-(`foreach=False`): the multi-tensor path would allocate a vector-sized temporary and overwrite `.grad`,
-which groupmates may still be reading from us (allreduce.py repairs).
+average is read one tensor at a time (`Buffers.each`: a networked peer keeps it in the wire's bytes until
+then, allreduce/layout.py `EncodedAverage`), each the outer optimizer's `.grad` for its own step only. SGD
+runs per tensor (`foreach=False`): the multi-tensor path would allocate a vector-sized temporary and
+overwrite `.grad`, which groupmates may still be reading from us (allreduce.py repairs).
 
 `version` is a seqlock for readers on other threads (the state server): odd while the global parameters
 or the outer momentum are being changed, and different after every change.
@@ -61,6 +62,39 @@ class PseudoGradient:
     def is_finite(self) -> bool:
         """The local model has no NaN/Inf (the global parameters only ever take finite averages)."""
         return all(all_finite(t) for t in self.local_params)
+
+
+class Kept(PseudoGradient):
+    """A pseudo-gradient taken when a delayed exchange starts (global - local then, one tensor per parameter),
+    kept while the local model trains on, plus an error-feedback residual; read slice by slice."""
+
+    def __init__(self, taken: Sequence[torch.Tensor], residual: Optional[Sequence[torch.Tensor]] = None):
+        self.taken, self.residual = taken, residual
+        self.shapes = [t.shape for t in taken]
+
+    @torch.no_grad()
+    def read(self, index: int, start: int, end: int) -> torch.Tensor:
+        out = self.taken[index].view(-1)[start:end].to("cpu", torch.float32, copy=True)
+        if self.residual is not None:
+            out += self.residual[index].view(-1)[start:end].to("cpu")
+        return out
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.read(i, 0, t.numel()).view(t.shape) for i, t in enumerate(self.taken)]
+
+    def is_finite(self) -> bool:
+        return all(all_finite(t) for t in self.taken)
+
+
+def take(global_params: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+         dtype: torch.dtype) -> list[torch.Tensor]:
+    """global - local per tensor, kept in `dtype` (fp32 for a tensor whose values `dtype` cannot hold)."""
+    taken = []
+    for g, p in zip(global_params, params):
+        d = g - p.detach().to(g.device, torch.float32)
+        small = d.to(dtype)
+        taken.append(small if dtype == torch.float32 or all_finite(small) or not all_finite(d) else d)
+    return taken
 
 
 class OnNode(PseudoGradient):
@@ -114,7 +148,7 @@ class DiLoCo:
         return [torch.empty_like(g) for g in self.global_params]
 
     @torch.no_grad()
-    def outer_step(self, averaged: Sequence[torch.Tensor], keep_local: bool = False,
+    def outer_step(self, averaged: Sequence[torch.Tensor] | Buffers, keep_local: bool = False,
                    indices: Optional[Sequence[int]] = None, closes_round: bool = True) -> None:
         """Apply the outer optimizer with `averaged` as the gradient, then move the local model to global (unless
         `keep_local`: a delayed round moves the local model itself, see swarm/train/overlap.py), keeping `mix_alpha`
@@ -122,16 +156,17 @@ class DiLoCo:
         gradient, so each fragment's momentum moves with it alone); `closes_round`: count a round."""
         indices = range(len(self.global_params)) if indices is None else indices
         targets = [self.global_params[i] for i in indices]
-        if len(averaged) != len(targets):
-            raise ValueError(f"averaged pseudo-gradient has {len(averaged)} tensors, expected {len(targets)}")
-        for g, delta in zip(targets, averaged):
-            if delta.shape != g.shape:
-                raise ValueError(f"averaged pseudo-gradient shape {tuple(delta.shape)} != {tuple(g.shape)}")
+        averaged = Buffers.of(averaged)
+        if len(averaged.shapes) != len(targets):
+            raise ValueError(f"averaged pseudo-gradient has {len(averaged.shapes)} tensors, expected {len(targets)}")
+        for g, shape in zip(targets, averaged.shapes):
+            if shape != g.shape:
+                raise ValueError(f"averaged pseudo-gradient shape {tuple(shape)} != {tuple(g.shape)}")
         with self.changing():
-            for g, delta in zip(targets, averaged):
+            for j, delta in averaged.each():  # one tensor at a time: SGD steps only the one with a gradient
+                g = targets[j]
                 g.grad = delta.to(g.device, torch.float32)
-            self.outer_optimizer.step()
-            for g in targets:
+                self.outer_optimizer.step()
                 g.grad = None
             self.round += closes_round
             self.outer_steps += 1
@@ -147,16 +182,16 @@ class DiLoCo:
                 p.copy_(g)
 
     @torch.no_grad()
-    def own_outer_step(self, index: int, local: torch.Tensor) -> torch.Tensor:
-        """Global tensor `index` after the next outer step if the group's average were this peer's own pseudo-
-        gradient `global - local` (torch's SGD rule: buf = momentum * buf + d, step = d + momentum * buf with
+    def own_outer_step(self, index: int, pseudo_grad: torch.Tensor) -> torch.Tensor:
+        """Global tensor `index` after the next outer step if the group's average were this peer's own
+        `pseudo_grad` (global - local; torch's SGD rule: buf = momentum * buf + d, step = d + momentum * buf with
         Nesterov); nothing is changed."""
         g = self.global_params[index]
         hyper = self.outer_optimizer.param_groups[0]
         lr, m = hyper["lr"], hyper["momentum"]
-        # The rule's operations in the order written above, each rounded as it always was, but in two tensors rather
-        # than a fresh one per operation: this runs at each delayed launch and land, over the whole model
-        d = g - local.to(g.device, torch.float32)
+        # The rule's operations in the order written above, but in two tensors rather than a fresh one per
+        # operation: this runs at each delayed launch and land, over the whole model
+        d = pseudo_grad.to(g.device, torch.float32, copy=True)
         if not m:
             return torch.sub(g, d.mul_(lr))
         buf = self.outer_optimizer.state.get(g, {}).get("momentum_buffer")

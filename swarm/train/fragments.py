@@ -55,7 +55,7 @@ import torch
 
 from swarm.config import ConfigError, DilocoConfig
 from swarm.tensors import Buffers
-from swarm.train.diloco import DiLoCo, OnNode, PseudoGradient
+from swarm.train.diloco import DiLoCo, Kept, OnNode, PseudoGradient, take
 from swarm.train.sharding import NodeVector
 
 log = logging.getLogger("swarm.fragments")
@@ -98,12 +98,18 @@ class Fragment:
         return self.diloco.mix_alpha
 
     def pseudo_gradient(self, residual: Optional[Sequence[torch.Tensor]] = None,
-                        local: Optional[Sequence[torch.Tensor]] = None) -> PseudoGradient:
-        """global - local (default: the local model) + `residual` (shaped like this fragment's tensors: what the
-        averager's `ExchangeOutcome.residual` gave for it). A sharded peer's: this rank's rows, without the residual
-        (`wire` adds it, whole, on rank 0)."""
+                        taken: Optional[Sequence[torch.Tensor]] = None) -> PseudoGradient:
+        """global - local (or what was `taken` of it: `diloco.take`) + `residual` (shaped like this fragment's
+        tensors: what the averager's `ExchangeOutcome.residual` gave for it). A sharded peer's: this rank's rows,
+        without the residual (`wire` adds it, whole, on rank 0)."""
         mine = None if self.diloco.shards else residual
-        return PseudoGradient(self.global_params, self.params if local is None else local, mine)
+        if taken is not None:
+            return Kept(taken, mine)
+        return PseudoGradient(self.global_params, self.params, mine)
+
+    def take(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        """global - local now, per tensor, kept in `dtype` (a delayed exchange's: swarm/train/overlap.py)."""
+        return take(self.global_params, self.params, dtype)
 
     def wire(self, pseudo_grad: PseudoGradient, out: list[torch.Tensor],
              residual: Optional[Sequence[torch.Tensor]] = None) -> tuple[PseudoGradient, list[torch.Tensor] | Buffers]:
@@ -136,15 +142,17 @@ class Fragment:
         """The hash of all global parameters: the base an exchange starts from."""
         return self.diloco.global_sha256()
 
-    def own_outer_step(self, index: int, local: torch.Tensor) -> torch.Tensor:
-        """Where an `Exchange` of this fragment resumes the local model from: with F = 1 the outer step on its own
-        pseudo-gradient (swarm/train/overlap.py); with F > 1 the local model itself, as in Streaming DiLoCo (module
-        docstring: one fragment jumping ahead of the others it trains with cost loss)."""
+    def own_outer_step(self, index: int, pseudo_grad: torch.Tensor) -> torch.Tensor:
+        """Where an `Exchange` of this fragment resumes the local model from, given the `pseudo_grad` it took: with
+        F = 1 the outer step on it (swarm/train/overlap.py); with F > 1 the local model it was taken from
+        (global - pseudo_grad), as in Streaming DiLoCo (module docstring: one fragment jumping ahead of the
+        others it trains with cost loss)."""
         if self.count == 1:
-            return self.diloco.own_outer_step(self.indices[index], local)
-        return local.to(self.global_params[index].device, torch.float32)
+            return self.diloco.own_outer_step(self.indices[index], pseudo_grad)
+        g = self.global_params[index]
+        return g - pseudo_grad.to(g.device, torch.float32)
 
-    def outer_step(self, averaged: Sequence[torch.Tensor], keep_local: bool = False) -> None:
+    def outer_step(self, averaged: Sequence[torch.Tensor] | Buffers, keep_local: bool = False) -> None:
         """This fragment's outer step; the last fragment's closes the round."""
         self.diloco.outer_step(averaged, keep_local, self.indices, closes_round=self.index == self.count - 1)
         self.commits += 1

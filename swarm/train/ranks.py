@@ -114,10 +114,11 @@ class Ranks:
         dist.all_reduce(value, group=self._group_of(value))
         return value / self.world_size
 
-    def averager(self, endpoint: Optional[Averager], networked: bool) -> Averager:
+    def averager(self, endpoint: Optional[Averager], networked: bool,
+                 kept_dtype: torch.dtype = torch.float32) -> Averager:
         """What this rank's trainer averages with: rank 0 passes its endpoint (the swarm) and gets it back; the
-        other ranks pass None and get a `Follower`."""
-        return endpoint if self.endpoint else Follower(networked)
+        other ranks pass None and get a `Follower`, keeping pseudo-gradients in `kept_dtype` as rank 0 does."""
+        return endpoint if self.endpoint else Follower(networked, kept_dtype)
 
     def share(self, value: Any) -> Any:
         """Rank 0's `value` (a small picklable object) on every rank."""
@@ -245,8 +246,8 @@ class Follower(Averager):
     """The averager of a rank other than 0: it never talks to the swarm. Its trainer takes rank 0's answers
     through the collectives of `Ranks` (`share_outcome`, `answer`, `share_state`) at the same points."""
 
-    def __init__(self, networked: bool):
-        self.networked = networked
+    def __init__(self, networked: bool, kept_dtype: torch.dtype = torch.float32):
+        self.networked, self.kept_dtype = networked, kept_dtype
 
     def average(self, outer_step: int, pseudo_grad: PseudoGradient, samples: int,
                 out: Sequence[torch.Tensor] | Buffers, base: str = "") -> ExchangeOutcome:

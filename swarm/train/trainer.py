@@ -246,8 +246,10 @@ class Trainer:
         closes, delayed = fragment is self.fragments.last, self.cfg.diloco.delay > 0
         if closes and not delayed and self._checkpoint_due():
             self.checkpointer.begin(self.state.checkpoint_parts()[0])
+        out = (fragment.outer_grads() if self.ranks.distributed  # rank 0 hands the average on as fp32 tensors
+               else self.averager.result_buffers([g.shape for g in fragment.global_params]))
         self.exchange = Exchange(fragment, self.averager, self.progress.samples[fragment.index],
-                                 self.progress.error_feedback if closes else None, delayed)
+                                 self.progress.error_feedback if closes else None, delayed, out)
         if closes and self.cfg.logging.dump_tensors and self.ranks.endpoint:
             self.closing.dump = round_inputs(self.exchange.pseudo_grad, self.exchange.samples, self.diloco)
 
@@ -366,7 +368,16 @@ class Trainer:
         fragments those taken since the other fragments landed: it is then set aside meanwhile."""
         if not local_differs:
             return self._eval()
-        local = [p.detach().clone() for p in self.diloco.params]
+        if self.diloco.shards is None:  # the parameters take the global tensors' storage for the eval, without a copy
+            local = [p.data for p in self.diloco.params]  # (with a copy where the model has another dtype or device)
+            for p, g in zip(self.diloco.params, self.diloco.global_params):
+                p.data = g.to(p.device, p.dtype)
+            try:
+                return self._eval()
+            finally:
+                for p, saved in zip(self.diloco.params, local):
+                    p.data = saved
+        local = [p.detach().clone() for p in self.diloco.params]  # a sharded peer's rows: views of FSDP's shards
         for p, g in zip(self.diloco.params, self.diloco.global_params):
             p.copy_(g)
         try:
@@ -402,7 +413,7 @@ class Trainer:
             self.checkpointer.commit(rest, meta)
         if committed:
             self.state.serve_state()
-        if exchange.delayed:  # the snapshot and launch of the exchange, then this close
+        if exchange.delayed:  # taking and launching the exchange, then this close
             record.overhead_s = exchange.launch_s + time.perf_counter() - close_start + facts.stall_s
         else:
             record.overhead_s = max(0.0, time.perf_counter() - facts.start - facts.compute_s - record.comm_s)

@@ -62,17 +62,18 @@ class SkipsOwnCheck(AllReduceHooks):
 
 
 def run_group(dhts, vectors, weights, *, codec="none", stall=10.0, skip=(), group_id=b"g", chunk_elements=None,
-              residual=False, shapes=None, abandon=(), rule=None, hooks=None, clients=()):
+              residual=False, shapes=None, abandon=(), rule=None, hooks=None, clients=(), encoded=()):
     """One in-process all-reduce among `dhts` of flat fp32 `vectors` (one tensor each, or cut into `shapes`);
     members in `skip` never start it, members in `abandon` tell the others they leave it; `rule`: a
     robust.Rule; `hooks`: {member: {attribute: value}} set on its AllReduce (fault injection, e.g. "hooks": a
     hostile.Hooks); `clients`: members that own no part
-    (`swarm.client_mode`). Returns (members, GroupResult or
-    exception per started member)."""
+    (`swarm.client_mode`); `encoded`: members that keep the average in the wire's bytes (`EncodedAverage`),
+    decoded after.
+    Returns (members, GroupResult or exception per started member)."""
     import asyncio
 
     from swarm.net.allreduce.groupstate import Contribution
-    from swarm.net.allreduce.layout import CHUNK_ELEMENTS, WireLayout
+    from swarm.net.allreduce.layout import CHUNK_ELEMENTS, EncodedAverage, WireLayout
     from swarm.net.codec import get_codec
     from swarm.net.identity import owner_key
 
@@ -86,19 +87,21 @@ def run_group(dhts, vectors, weights, *, codec="none", stall=10.0, skip=(), grou
         members = [p2p.peer_id for p2p in p2ps]
         layout = WireLayout(shapes, get_codec(codec), len(members), chunk_elements or CHUNK_ELEMENTS, clients)
 
-        async def one(service, vector, weight):
-            out = [torch.full(s, float("nan")) for s in shapes]
+        async def one(service, vector, weight, encoded):
+            out = EncodedAverage(shapes) if encoded else [torch.full(s, float("nan")) for s in shapes]
             parts = [p.reshape(s) for p, s in zip(split(vector), shapes)]
             kept = [torch.zeros(s) for s in shapes] if residual else None
             read = lambda i, a, b: parts[i].reshape(-1)[a:b].clone()  # noqa: E731
             traffic = await service.run(group_id, members, layout, Contribution(read, weight, out, kept), weights,
                                         keys)
             flat = lambda ts: torch.cat([t.reshape(-1) for t in ts])  # noqa: E731
+            if encoded:
+                out = [t for _, t in sorted(out.each(), key=lambda pair: pair[0])]
             return GroupResult(flat(out), traffic, flat(kept) if kept is not None else None)
 
         for i in abandon:
             await services[i].abandon(group_id, members, "a phantom group")
-        runs = [one(s, v, w) for i, (s, v, w) in enumerate(zip(services, vectors, weights))
+        runs = [one(s, v, w, i in encoded) for i, (s, v, w) in enumerate(zip(services, vectors, weights))
                 if i not in (*skip, *abandon)]
         results = await asyncio.gather(*runs, return_exceptions=True)
         for service in services:

@@ -60,6 +60,39 @@ def test_weighted_mean_identical_and_bytes_counted(dhts):
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp16", "none"])
+def test_an_average_kept_encoded_decodes_to_the_same_floats(dhts, codec):
+    """The average kept in the wire's bytes until read (EncodedAverage, what a networked peer's outer step reads)
+    is the average decoded on arrival, bit for bit, tensor by tensor, quantized and fp32-carried tensors alike; it
+    holds about the wire's bytes, not 4 per element; and it gives nothing while any tensor is incomplete."""
+    shapes = [torch.Size([3, 3000]), torch.Size([FP32_BELOW - 1]), torch.Size([100, 70]), torch.Size([5])]
+    vectors = [torch.randn(sum(s.numel() for s in shapes)) for _ in range(3)]
+    _, results = run_group(dhts, vectors, [1.0, 2.0, 3.0], codec=codec, chunk_elements=2048, shapes=shapes,
+                           encoded=(1, 2))  # member 0 decodes on arrival, as ever
+    assert all(not isinstance(r, BaseException) for r in results), results
+    assert all(torch.equal(r.tensor, results[0].tensor) for r in results)
+    from swarm.net.allreduce import EncodedAverage
+    from swarm.net.allreduce.layout import decode_into
+
+    layout = WireLayout(shapes, get_codec(codec), 1, 2048)
+    average = EncodedAverage(shapes)
+    chunks = layout.chunks(0)
+    for chunk in chunks[:-1]:
+        decode_into(average, chunk, layout.codec_of(chunk), layout.codec_of(chunk).encode(torch.ones(chunk.numel)))
+    with pytest.raises(ValueError, match="incomplete"):
+        next(average.each())
+    last = chunks[-1]
+    decode_into(average, last, layout.codec_of(last), layout.codec_of(last).encode(torch.ones(last.numel)))
+    got = dict(average.each())
+    assert sorted(got) == [0, 1, 2, 3] and all(torch.equal(got[i], torch.ones(s)) for i, s in enumerate(shapes))
+    assert average.nbytes == layout.part_wire_bytes(0)  # int8: 1.0625 bytes per quantized element
+    own = [torch.randn(s) for s in shapes]  # a peer alone: its own pseudo-gradient, kept exactly
+    average.fill(lambda i, a, b: own[i].reshape(-1)[a:b].clone())
+    got = dict(average.each())
+    assert all(torch.equal(got[i], own[i]) for i in range(len(shapes)))
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("bad", ["nan", "inf", "negative weight", "nan weight", "zero total"])
 def test_bad_input_fails_every_member(dhts, bad):
     vectors, weights = [torch.randn(3000) for _ in range(3)], [1.0, 1.0, 1.0]
@@ -157,10 +190,12 @@ def test_a_member_pushing_less_than_its_part_fails_the_part(dhts, caplog):
 
 
 @pytest.mark.timeout(40)
-def test_a_lost_owner_s_part_comes_from_a_groupmate(dhts, caplog):
+@pytest.mark.parametrize("encoded", [False, True], ids=["decoded", "encoded"])
+def test_a_lost_owner_s_part_comes_from_a_groupmate(dhts, caplog, encoded):
     """Owner 0 has every contribution and serves its part's averages to member 1, but its stream to member 2
     breaks before the last chunk, as when it dies: member 2 takes the rest of part 0 from member 1, and all
-    three end with the same bytes."""
+    three end with the same bytes (also where members 1 and 2 keep the averages encoded: member 1 serves the
+    repair from the bytes it kept)."""
     class LosesMember2(AllReduceHooks):
         async def sending_result(self, group, i, k, channel):
             last = len(group.chunks[0]) - 1
@@ -171,7 +206,8 @@ def test_a_lost_owner_s_part_comes_from_a_groupmate(dhts, caplog):
     vectors = [torch.randn(30_000) for _ in range(3)]
     with caplog.at_level(logging.INFO, logger="swarm.net.allreduce"):
         members, results = run_group(dhts, vectors, [1.0, 2.0, 3.0], group_id=b"repair", stall=3.0,
-                                     chunk_elements=2048, hooks={0: {"hooks": LosesMember2()}})
+                                     chunk_elements=2048, hooks={0: {"hooks": LosesMember2()}},
+                                     encoded=(1, 2) if encoded else ())
     assert all(not isinstance(r, BaseException) for r in results), results
     assert f"part 0 repaired from {members[1]}" in caplog.text
     expected = (vectors[0] + 2 * vectors[1] + 3 * vectors[2]) / 6

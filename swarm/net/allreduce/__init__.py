@@ -4,7 +4,8 @@ that are bit-identical on every member (allreduce.py has the protocol).
 - allreduce.py: `AllReduce`, one per peer: runs the groups matchmaking formed, and serves its part to them.
 - slots.py: the groups a peer runs or waits for, by id: what a stranger's stream reaches first.
 - groupstate.py: one group's run (`GroupState`), what a member contributes (`Contribution`), `AllReduceFailed`.
-- layout.py: where every element goes on the wire (`WireLayout`: parts, chunks).
+- layout.py: where every element goes on the wire (`WireLayout`: parts, chunks); an average kept in the wire's
+  bytes until read (`EncodedAverage`).
 - robust.py: how an owner reduces a chunk (`Rule`: the weighted mean or a bounded-influence rule).
 - agree.py: one result per part: members compare the owners' signed digests before returning.
 - audit.py: `swarm.verify_parts`, every member recomputing one chunk of every other part.
@@ -19,8 +20,8 @@ Other modules use what this file exports; the rest is the package's own.
 from swarm.net.allreduce.allreduce import AllReduce
 from swarm.net.allreduce.groupstate import CONCLUSIVE, PROOF, SEEN, TOLD, AllReduceFailed, Contribution
 from swarm.net.allreduce.hooks import AllReduceHooks
-from swarm.net.allreduce.layout import WireLayout
+from swarm.net.allreduce.layout import EncodedAverage, WireLayout
 from swarm.net.allreduce.robust import Rule
 
 __all__ = ["CONCLUSIVE", "PROOF", "SEEN", "TOLD", "AllReduce", "AllReduceFailed", "AllReduceHooks", "Contribution",
-           "Rule", "WireLayout"]
+           "EncodedAverage", "Rule", "WireLayout"]

@@ -121,6 +121,7 @@ class AllReduce(GroupSlots):
         `keys`: every member's public key (its signed meta): then members agree on every part's bytes first."""
         me = list(members).index(self.p2p.peer_id)
         check_weights(members, weights, me, contribution.weight)
+        contribution.out.restart()
         slot = self._groups.setdefault(group_id, asyncio.get_running_loop().create_future())
         if slot.done():
             raise AllReduceFailed(f"group {group_id.hex()[:8]} was already run here")
@@ -273,7 +274,7 @@ class AllReduce(GroupSlots):
         if not all_finite(average):
             raise AllReduceFailed(f"part {group.me}: the average is not finite")
         payload = codec.encode(average)
-        scatter(group.mine.out, chunk, codec.decode(payload, chunk.numel))
+        decode_into(group.mine.out, chunk, codec, payload)
         return payload
 
     def _own_share(self, group: GroupState, chunk: Chunk) -> tuple[torch.Tensor, bytes]:

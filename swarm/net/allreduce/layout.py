@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
-from typing import Callable, Collection, Sequence
+from typing import Callable, Collection, Iterator, Sequence
 
 import torch
 
@@ -133,8 +133,93 @@ def scatter(out: Sequence[torch.Tensor] | Buffers, chunk: Chunk, values: torch.T
 
 
 def decode_into(out: Sequence[torch.Tensor] | Buffers, chunk: Chunk, codec: Codec, payload: bytes | bytearray) -> None:
-    """Decode an average of `chunk` into `out`; CodecError if it is not finite (nothing is written then)."""
+    """Decode an average of `chunk` into `out` (an `EncodedAverage` keeps its bytes instead); CodecError if it is
+    not finite (nothing is written then)."""
+    if isinstance(out, EncodedAverage):
+        try:
+            codec.check(payload, chunk.numel)
+        except CodecError as e:
+            raise CodecError(f"the average is not finite: {e}") from None
+        out.keep(chunk, codec, payload)
+        return
     values = codec.decode(payload, chunk.numel)
     if not all_finite(values):
         raise CodecError("the average is not finite")
     scatter(out, chunk, values)
+
+
+class EncodedAverage(Buffers):
+    """An average as the wire carried it: each chunk's bytes (int8: 1.0625 per element), checked on arrival and
+    decoded only when read, one tensor at a time (`each`: the outer step). Decoded into fp32 buffers on arrival,
+    an average takes 4 bytes per parameter for as long as its exchange is in flight, which with `diloco.delay`
+    spans the next round's first inner steps. The bytes are those every member of the group decodes, so what
+    `each` gives is the same floats, bit for bit, as decoding on arrival."""
+
+    def __init__(self, shapes: Sequence[torch.Size]):
+        self.shapes, self.tensors = [torch.Size(s) for s in shapes], []
+        self._kept: dict[int, tuple[Chunk, Codec, bytes | bytearray]] = {}  # by the chunk's start on the wire
+        self._held = [0] * len(self.shapes)  # elements of each tensor the kept chunks cover
+
+    @property
+    def nbytes(self) -> int:
+        """The encoded bytes held."""
+        return sum(len(payload) for _, _, payload in self._kept.values())
+
+    def restart(self) -> None:
+        self._kept.clear()
+        self._held = [0] * len(self.shapes)
+
+    def keep(self, chunk: Chunk, codec: Codec, payload: bytes | bytearray) -> None:
+        """`chunk`'s average, in `codec`'s bytes (already checked: `Codec.check`)."""
+        if chunk.start in self._kept:
+            raise ValueError(f"the average of wire elements from {chunk.start} arrived twice")
+        self._kept[chunk.start] = (chunk, codec, payload)
+        for s in chunk.spans:
+            self._held[s.tensor] += s.end - s.start
+
+    def write(self, index: int, start: int, values: torch.Tensor) -> None:
+        raise TypeError("an EncodedAverage keeps encoded chunks (decode_into, fill), not values")
+
+    def fill(self, read: Callable[[int, int, int], torch.Tensor]) -> None:
+        """Every tensor <- `read(index, start, end)`, kept exact (fp32 bytes): a peer alone, its own pseudo-gradient."""
+        self.restart()
+        offset = 0
+        for i in range(len(self.shapes)):
+            n = self.numel(i)
+            for a in range(0, n, self.PIECE):
+                b = min(n, a + self.PIECE)
+                self.keep(Chunk(0, offset + a, offset + b, True, (Span(i, a, b),)), EXACT, EXACT.encode(read(i, a, b)))
+            offset += n
+
+    def read(self, index: int, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of tensor `index` (a groupmate's repair), decoded from the chunks that hold them."""
+        out = torch.empty(end - start)
+        for chunk, codec, payload in self._kept.values():
+            offset = 0
+            for s in chunk.spans:
+                lo, hi = max(s.start, start), min(s.end, end)
+                if s.tensor == index and lo < hi:
+                    values = codec.decode(payload, chunk.numel)
+                    out[lo - start:hi - start] = values[offset + lo - s.start:offset + hi - s.start]
+                offset += s.end - s.start
+        return out
+
+    def each(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """Every tensor of the average in fp32, in wire order, each chunk decoded once; ValueError before the
+        first if any tensor is not wholly held (a caller that changes state per tensor never half-applies)."""
+        short = [i for i, held in enumerate(self._held) if held != self.numel(i)]
+        if short:
+            raise ValueError(f"the average of tensors {short[:8]} is incomplete")
+        filling: dict[int, torch.Tensor] = {}
+        for start in sorted(self._kept):
+            chunk, codec, payload = self._kept[start]
+            values, offset = codec.decode(payload, chunk.numel), 0
+            for s in chunk.spans:
+                t = filling.setdefault(s.tensor, torch.empty(self.numel(s.tensor)))
+                t[s.start:s.end] = values[offset:offset + s.end - s.start]
+                offset += s.end - s.start
+                if s.end == t.numel():
+                    yield s.tensor, filling.pop(s.tensor).view(self.shapes[s.tensor])
+        for i in range(len(self.shapes)):
+            if self.numel(i) == 0:
+                yield i, torch.empty(self.shapes[i])
