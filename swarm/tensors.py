@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -71,3 +71,24 @@ class Buffers:
             n = self.numel(i)
             for start in range(0, n, self.PIECE):
                 self.write(i, start, read(i, start, min(n, start + self.PIECE)))
+
+
+class Deferred(Buffers):
+    """Buffers that copy nothing: `fill` remembers what to read, and `each` reads it one tensor at a time. For an
+    average that is a peer's own pseudo-gradient (alone, no network), which stays as it is until the outer step
+    reads it (kept by a delayed exchange; a blocking one lands at once, each tensor read before it is stepped)."""
+
+    def __init__(self, shapes: Sequence[torch.Size]):
+        self.shapes, self.tensors = list(shapes), []
+        self._read: Optional[Callable[[int, int, int], torch.Tensor]] = None
+
+    def fill(self, read: Callable[[int, int, int], torch.Tensor]) -> None:
+        self._read = read
+
+    def read(self, index: int, start: int, end: int) -> torch.Tensor:
+        if self._read is None:
+            raise ValueError("nothing was given to read")
+        return self._read(index, start, end)
+
+    def write(self, index: int, start: int, values: torch.Tensor) -> None:
+        raise TypeError("Deferred buffers read what `fill` gave, they hold nothing")

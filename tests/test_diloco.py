@@ -86,6 +86,30 @@ def test_own_outer_step_is_the_outer_step_a_peer_would_take_alone(momentum, nest
         diloco.outer_step([torch.tensor(average)])
 
 
+def test_a_solo_peer_s_average_is_read_at_the_outer_step_and_never_copied():
+    """A peer alone averages its own pseudo-gradient: its buffers hold nothing (no copy of the model), and the outer
+    step reads the pseudo-gradient tensor by tensor, each before it is stepped: the same outer step as from a copy."""
+    from swarm.train.averaging import SoloAverager
+
+    models = [torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    dilocos = [DiLoCo(m, OuterConfig(lr=0.7, momentum=0.9)) for m in models]
+    for _ in range(2):
+        for m in models:
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.mul_(0.5).add_(0.25)
+        shapes = [g.shape for g in dilocos[0].global_params]
+        solo = SoloAverager()
+        out = solo.result_buffers(shapes)
+        averaged = solo.average(0, dilocos[0].pseudo_gradient(), 1, out).averaged
+        assert averaged is out and out.tensors == []  # nothing copied
+        dilocos[0].outer_step(averaged)
+        dilocos[1].outer_step(dilocos[1].pseudo_gradient().tensors())
+        assert all(torch.equal(a, b) for a, b in zip(dilocos[0].global_params, dilocos[1].global_params))
+        assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+
+
 def test_outer_step_leaves_the_averaged_buffers_intact_and_bumps_the_version():
     """Groupmates may still read the average from us after our outer step (all-reduce repairs)."""
     model = _model([1.0, 2.0])

@@ -22,7 +22,7 @@ import torch
 
 from swarm.errors import SwarmError
 from swarm.state.peerstate import TensorSpec
-from swarm.tensors import Buffers
+from swarm.tensors import Buffers, Deferred
 from swarm.train.diloco import PseudoGradient
 
 
@@ -166,6 +166,10 @@ def weighted_mean(contributions: list[tuple[list[torch.Tensor], float]]) -> list
 
 
 class SoloAverager(Averager):
+    def result_buffers(self, shapes: Sequence[torch.Size]) -> Deferred:
+        """The average is our own pseudo-gradient: read by the outer step itself, never copied."""
+        return Deferred(shapes)
+
     def average(self, outer_step: int, pseudo_grad: PseudoGradient, samples: int,
                 out: Sequence[torch.Tensor] | Buffers, base: str = "") -> ExchangeOutcome:
         Buffers.of(out).fill(pseudo_grad.read)

@@ -56,7 +56,7 @@ import torch
 from swarm.config import ConfigError, DilocoConfig
 from swarm.tensors import Buffers
 from swarm.train.diloco import DiLoCo, Kept, OnNode, PseudoGradient, take
-from swarm.train.sharding import NodeVector
+from swarm.train.sharding import NodeVector, Rows
 
 log = logging.getLogger("swarm.fragments")
 
@@ -126,14 +126,15 @@ class Fragment:
             return pseudo_grad, out
         return OnNode(shards.given.vector(self.indices), residual, finite), shards.average.vector(self.indices)
 
-    def unwire(self, averaged: Optional[Buffers], out: Sequence[torch.Tensor]) -> None:
-        """A sharded peer whose exchange committed (every rank, after rank 0 told them): each rank's rows of the
-        average, from the node-local file rank 0's averager wrote it into, into its `out`."""
+    def unwire(self, averaged: Optional[Buffers]) -> Buffers:
+        """A sharded peer whose exchange committed (every rank, after rank 0 told them): this rank's rows of the
+        average, in the node-local file rank 0's averager wrote it into, read a tensor at a time by the outer step
+        (no copy of them held; the file is not written again before this fragment's next exchange)."""
         shards = self.diloco.shards
         if shards.root and not (isinstance(averaged, NodeVector) and averaged.file is shards.average):
             raise RuntimeError("the averager wrote the average elsewhere than into the buffers it was given")
-        for j, i in enumerate(self.indices):
-            shards.average.read_rows(i, out[j])
+        return Rows(shards.average, self.indices, [g.shape for g in self.global_params],
+                    self.global_params[0].device)
 
     def outer_grads(self) -> list[torch.Tensor]:
         return [torch.empty_like(g) for g in self.global_params]

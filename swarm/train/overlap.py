@@ -18,10 +18,11 @@ at a fixed inner step, so a run is as reproducible as a blocking one. A discarde
 back by `(global - d) - resume`: it keeps its own progress, and the next pseudo-gradient, taken from the same
 global parameters, covers both rounds.
 
-Memory, beyond the training state: d, kept in `Averager.kept_dtype` (fp16 where the wire is lossy, as the
-shipped int8 is: 2 bytes per parameter; the wire rounds it harder anyway, and resume, land and discard all read
-the same kept d), and the group's average in the wire's bytes until it lands (allreduce/layout.py
-`EncodedAverage`: int8, 1.0625 bytes per parameter), decoded one tensor at a time by the outer step.
+Memory, beyond the training state: d, kept in `Averager.kept_dtype` (fp16 where the wire is lossy, as the shipped
+int8 is: 2 bytes per parameter; the wire rounds it harder anyway, and resume, land and discard all read the same
+kept d; fp32 where nothing rounds it, a peer alone or in-memory replicas), and the group's average in the wire's
+bytes until it lands (allreduce/layout.py `EncodedAverage`: int8, 1.0625 bytes per parameter), decoded one tensor
+at a time by the outer step.
 
 Why resume from the own outer step rather than from the local model at launch: measured with 4 simulated peers on
 the tiny model (bench/convergence.py settings, H=50, outer lr 0.7), eval loss at 1600 inner steps: blocking 1.5090,

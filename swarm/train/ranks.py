@@ -134,30 +134,27 @@ class Ranks:
             dist.broadcast(tensor, src=0, group=self._group_of(tensor))
 
     def share_outcome(self, outcome: ExchangeOutcome, out: Sequence[torch.Tensor],
-                      scatter: Optional[Callable[[Optional[Buffers], Sequence[torch.Tensor]], None]] = None
-                      ) -> ExchangeOutcome:
-        """Rank 0's outcome of an exchange on every rank: its summary, then the averaged pseudo-gradient into `out`
-        if it committed (a sharded peer: `scatter(rank 0's averaged buffers or None, out)` puts each rank's rows of
-        the average in its `out`, and the outcome carries `out`; rank 0 keeps its residual). Called in the training
-        thread (never in an exchange's thread: collectives from two threads on one process group would
-        interleave)."""
+                      rows: Optional[Callable[[Optional[Buffers]], Buffers]] = None) -> ExchangeOutcome:
+        """Rank 0's outcome of an exchange on every rank: its summary, then, if it committed, the averaged
+        pseudo-gradient broadcast into `out` (a sharded peer: `rows(rank 0's averaged buffers or None)` gives each
+        rank's rows of the average, read at the outer step, and the outcome carries them; rank 0 keeps its
+        residual). Called in the training thread (never in an exchange's thread: collectives from two threads on
+        one process group would interleave)."""
         if not self.distributed:
             return outcome
         if self.endpoint:
             self.share((dataclasses.replace(outcome, averaged=None, residual=None), outcome.averaged is not None))
-            if scatter is not None and outcome.averaged is not None:
-                scatter(outcome.averaged, out)
-                return dataclasses.replace(outcome, averaged=out)
+            if rows is not None and outcome.averaged is not None:
+                return dataclasses.replace(outcome, averaged=rows(outcome.averaged))
             for t in outcome.averaged or []:
                 self.broadcast(t)
             return outcome
         brief, committed = self.share(None)
+        if committed and rows is not None:
+            return dataclasses.replace(brief, averaged=rows(None))
         if committed:
-            if scatter is not None:
-                scatter(None, out)
-            else:
-                for t in out:
-                    self.broadcast(t)
+            for t in out:
+                self.broadcast(t)
         return dataclasses.replace(brief, averaged=out if committed else None)
 
     def answer(self, ask: Callable[[], Any]) -> Any:

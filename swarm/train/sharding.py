@@ -215,6 +215,21 @@ class NodeVector(Buffers):
         return self.file.read(self.indices[index], start, end)
 
 
+class Rows(Buffers):
+    """This rank's rows of tensors `indices` of a `NodeFile` (shaped `shapes`, on `device`), read one tensor at a
+    time by `each`: what the outer step reads of an average, with no copy of it held meanwhile."""
+
+    def __init__(self, file: NodeFile, indices: Sequence[int], shapes: Sequence[torch.Size], device: torch.device):
+        self.file, self.indices, self.tensors = file, list(indices), []
+        self.shapes, self.device = list(shapes), device
+
+    def each(self) -> Iterator[tuple[int, torch.Tensor]]:
+        for j, i in enumerate(self.indices):
+            rows = torch.empty(self.shapes[j], device=self.device)
+            self.file.read_rows(i, rows)
+            yield j, rows
+
+
 class Shards:
     """The collectives between the ranks of a sharded peer, over `layout`: one tensor at a time, on the CPU
     (gloo) group of swarm/train/ranks.py; and the exchange's two node-local files in `folder` (`given`: the

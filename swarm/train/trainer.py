@@ -20,7 +20,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -32,6 +32,7 @@ from swarm.run.metrics import Metrics
 from swarm.state import peerstate as peer_state
 from swarm.state.checkpoint import CorruptCheckpoint
 from swarm.state.peerstate import Position
+from swarm.tensors import Buffers
 from swarm.train.averaging import Averager, ExchangeOutcome, PeerStats
 from swarm.train.diloco import DiLoCo
 from swarm.train.fragments import Fragment, Fragments
@@ -246,12 +247,21 @@ class Trainer:
         closes, delayed = fragment is self.fragments.last, self.cfg.diloco.delay > 0
         if closes and not delayed and self._checkpoint_due():
             self.checkpointer.begin(self.state.checkpoint_parts()[0])
-        out = (fragment.outer_grads() if self.ranks.distributed  # rank 0 hands the average on as fp32 tensors
-               else self.averager.result_buffers([g.shape for g in fragment.global_params]))
         self.exchange = Exchange(fragment, self.averager, self.progress.samples[fragment.index],
-                                 self.progress.error_feedback if closes else None, delayed, out)
+                                 self.progress.error_feedback if closes else None, delayed,
+                                 self._average_buffers(fragment))
         if closes and self.cfg.logging.dump_tensors and self.ranks.endpoint:
             self.closing.dump = round_inputs(self.exchange.pseudo_grad, self.exchange.samples, self.diloco)
+
+    def _average_buffers(self, fragment: Fragment) -> Sequence[torch.Tensor] | Buffers:
+        """Where an exchange's average lands: a sharded peer's goes through a node-local file (`Fragment.wire`) and
+        none here; rank 0 of a replicated peer hands fp32 tensors on; else the averager's own (a networked peer's
+        keeps the wire's bytes until the outer step reads them)."""
+        if self.diloco.shards is not None:
+            return []
+        if self.ranks.distributed:
+            return fragment.outer_grads()
+        return self.averager.result_buffers([g.shape for g in fragment.global_params])
 
     def _settle(self) -> bool:
         """The one decision point: wait for the exchange in flight and commit it (land its outer step), discard it
