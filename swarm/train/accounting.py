@@ -11,8 +11,7 @@ Per rank of a peer of K ranks (`inner.parallel: fsdp`; with ddp, or K = 1, every
                     logits of one micro-batch)                                    `activation_bytes`
     where diloco.global_device says (cpu: host memory)
                     fp32 global parameters and outer momentum                     8 B x N / K
-                    the exchange's average, this rank's rows (K > 1)               4 B x N / (K F)
-                    ... or, K = 1, in the wire's bytes until it lands (int8: 1.0625)   w B x N / F
+                    K = 1: the exchange's average, in the wire's bytes until it lands (int8: 1.0625)  w B x N / F
                     with diloco.delay >= 1, the pseudo-gradient the exchange in flight took (swarm/train/overlap.py;
                     fp16 with a lossy codec), alive through the next tau inner steps      2 or 4 B x N / (K F)
     host (K = 1)    error-feedback residual, with a lossy codec                   4 B x N / F
@@ -96,11 +95,9 @@ def plan(cfg: Config, shapes: Shapes, ranks: int, vocab_size: int) -> list[Item]
     outer = "host" if cfg.diloco.global_device == "cpu" else "device"  # the global parameters and their kin
     items.append(Item("fp32 global parameters and outer momentum", outer, 8 * n / k))
     codec = get_codec(cfg.swarm.compression)
-    if k == 1:
+    if k == 1:  # a sharded peer's average stays in a node-local file, its rows read a tensor at a time
         items.append(Item(f"the exchange's average, in the wire's bytes ({codec.name})", "host",
                           codec.wire_bytes(n) / f))
-    else:
-        items.append(Item("the exchange's average, this rank's rows (fp32)", outer, 4 * n / (k * f)))
     if k == 1 and cfg.swarm.error_feedback and codec.lossy:
         items.append(Item("the exchange's error-feedback residual (fp32)", "host", 4 * n / f))
     if cfg.diloco.delay:
