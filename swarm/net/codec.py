@@ -79,7 +79,7 @@ class Codec(ABC):
         """CodecError unless `buf` decodes to `numel` finite elements (bytes kept to be decoded later:
         allreduce/layout.py `EncodedAverage`)."""
         if not all_finite(self.decode(buf, numel)):
-            raise CodecError("the values are not finite")
+            raise CodecError("the average is not finite")
 
     def _raw(self, buf: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
         """The payload as uint8, once its length is the one `numel` elements take."""
