@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -29,6 +30,33 @@ def dtype_of(name: str) -> torch.dtype:
 def byte_view(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a flat uint8 view (any device), for writing received bytes in place."""
     return t.detach().reshape(-1).view(torch.uint8)
+
+
+@contextlib.contextmanager
+def swapped(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> Iterator[None]:
+    """`a[i]` and `b[i]` exchange their values for the body, and back after it (also when it raises): exact, and
+    with one tensor's copy at a time beside them, where setting one aside whole would copy all of `a`. Pairs
+    must have one dtype and shape (a swap across dtypes would round); their devices may differ."""
+    for x, y in zip(a, b, strict=True):
+        if x.dtype != y.dtype or x.shape != y.shape:
+            raise ValueError(f"cannot swap a {x.dtype} {tuple(x.shape)} tensor with a {y.dtype} {tuple(y.shape)} one")
+
+    def swap(x: torch.Tensor, y: torch.Tensor) -> None:
+        held = x.detach().clone()
+        x.detach().copy_(y.detach())
+        y.detach().copy_(held)
+
+    done = 0
+    try:
+        with torch.no_grad():
+            for x, y in zip(a, b):
+                swap(x, y)
+                done += 1
+        yield
+    finally:
+        with torch.no_grad():
+            for x, y in zip(a[:done], b[:done]):
+                swap(x, y)
 
 
 class Buffers:

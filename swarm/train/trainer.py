@@ -32,7 +32,7 @@ from swarm.run.metrics import Metrics
 from swarm.state import peerstate as peer_state
 from swarm.state.checkpoint import CorruptCheckpoint
 from swarm.state.peerstate import Position
-from swarm.tensors import Buffers
+from swarm.tensors import Buffers, swapped
 from swarm.train.averaging import Averager, ExchangeOutcome, PeerStats
 from swarm.train.diloco import DiLoCo
 from swarm.train.fragments import Fragment, Fragments
@@ -387,14 +387,11 @@ class Trainer:
             finally:
                 for p, saved in zip(self.diloco.params, local):
                     p.data = saved
-        local = [p.detach().clone() for p in self.diloco.params]  # a sharded peer's rows: views of FSDP's shards
-        for p, g in zip(self.diloco.params, self.diloco.global_params):
-            p.copy_(g)
-        try:
+        # A sharded peer's rows are views of FSDP's own shards, which its forward gathers from: the rows trade
+        # values with the global ones for the eval. The checkpoint being written still reads the global rows.
+        self.state.settle_checkpoint()
+        with swapped(self.diloco.params, self.diloco.global_params):
             return self._eval()
-        finally:
-            for p, saved in zip(self.diloco.params, local):
-                p.copy_(saved)
 
     def _close_round(self, exchange: Exchange, outcome: ExchangeOutcome, checkpoint: bool, close_start: float) -> None:
         """The round's last exchange settled (`_settle`): evaluate the committed global parameters, record the round
