@@ -4,7 +4,10 @@
 Reported from the peers' own summary.json:
 - peak resident memory per peer / its training state (fp32 parameters, gradients, both AdamW moments, global
   parameters and outer momentum: 24 bytes per parameter), next to the same ratio for one `swarm peer --solo`
-  process on the same model and batch: the floor any DiLoCo peer with this micro-batch has;
+  process on the same model and batch: the floor any DiLoCo peer with this micro-batch has; and, as section 10
+  counts a rank, (peak - constant) / training state, the constant being the largest peak of a peer of the same
+  swarm with a model of 30k parameters: what a peer process holds whatever it trains (torch, hivemind,
+  bitsandbytes, the corpus);
 - all-reduce MB/s per peer (bytes it received in the all-reduce / the all-reduce's seconds);
 - state download MB/s (the joiner's download of global parameters, outer momentum and AdamW moments);
 - time per round outside inner steps and matchmaking + all-reduce (`overhead_s`), as a share of the round.
@@ -32,6 +35,8 @@ CONFIG = REPO / "configs" / "scale-85m.yaml"
 FULL = dict(overrides=[], rounds=4, inner_steps=10)
 QUICK = dict(overrides=["--model.hidden_size", "512", "--model.num_layers", "6", "--model.num_heads", "8",
                         "--model.intermediate_size", "1376"], rounds=4, inner_steps=6)
+EMPTY = ["--model.hidden_size", "32", "--model.num_layers", "1", "--model.num_heads", "2",
+         "--model.intermediate_size", "64"]  # the per-process constant's model: 30k parameters
 BYTES_PER_PARAMETER = 6 * 4  # parameters, gradients, exp_avg, exp_avg_sq, global parameters, outer momentum
 
 
@@ -85,10 +90,16 @@ def run(quick: bool) -> dict:
     start = time.time()
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         floor = solo_peak(spec["overrides"], Path(tmp) / "solo") / state_bytes
-        modes = {mode: measure(swarm_local([*spec["overrides"], *flags, "--peers", "3", "--join", "2", "--rounds",
-                                            str(spec["rounds"]), "--diloco.inner_steps", str(spec["inner_steps"])],
-                                           Path(tmp) / mode, 3000), state_bytes)
+
+        def swarm(model: list[str], flags: list[str], out: Path) -> dict:
+            return swarm_local([*model, *flags, "--peers", "3", "--join", "2", "--rounds", str(spec["rounds"]),
+                                "--diloco.inner_steps", str(spec["inner_steps"])], out, 3000)
+        empty = swarm(EMPTY, MODES["delayed"], Path(tmp) / "empty")
+        constant = max(p["peak_rss_bytes"] for p in empty["peers"])
+        modes = {mode: measure(swarm(spec["overrides"], flags, Path(tmp) / mode), state_bytes)
                  for mode, flags in MODES.items()}
+        for m in modes.values():
+            m["over_constant_ratio"] = {k: v - constant / state_bytes for k, v in m["peak_rss_ratio"].items()}
     med = statistics.median
     rows = []
     for mode, m in modes.items():
@@ -97,6 +108,9 @@ def run(quick: bool) -> dict:
             [f"{mode}: peak resident memory / training state, per peer",
              " ".join(f"{k} {v:.2f}x" for k, v in ratios.items()),
              f"max {max(ratios.values()):.2f}x; one `--solo` process: {floor:.2f}x"],
+            [f"{mode}: (peak - constant) / training state, per peer",
+             " ".join(f"{k} {v:.2f}x" for k, v in m["over_constant_ratio"].items()),
+             f"max {max(m['over_constant_ratio'].values()):.2f}x (section 10's measure)"],
             [f"{mode}: all-reduce MB/s per peer (received)", f"median {med(m['allreduce_mb_s']):.0f}",
              f"min {min(m['allreduce_mb_s']):.0f}, max {max(m['allreduce_mb_s']):.0f}"],
             [f"{mode}: state download MB/s (joiner)", " ".join(f"{d['mb_s']:.0f}" for d in m["downloads"]) or "–",
@@ -113,7 +127,10 @@ def run(quick: bool) -> dict:
               f"{cfg.data.batch_size}x{cfg.data.seq_len}, {spec['rounds']} rounds of H={spec['inner_steps']}, "
               f"3 peers + 1 joiner at round 2 on loopback, 1 torch thread each on 2 shared cores; blocking: "
               f"`--diloco.delay 0`, delayed: `--diloco.delay 1`; pseudo-gradients sent {cfg.swarm.compression} "
-              f"(the config's swarm.compression). Every peer ended on the same hash: {identical}. "
+              f"(the config's swarm.compression). The per-process constant, {constant / 1e9:.2f} GB: the largest "
+              f"peak of the same delayed swarm with a 30k-parameter model. "
+              f"Every peer ended on the same hash: {identical}. "
               f"All-reduce time against hivemind's averager: section 5.")
-    return {"table": table, "params": params, "state_bytes": state_bytes, "solo_peak_ratio": floor, "modes": modes,
+    return {"table": table, "params": params, "state_bytes": state_bytes, "solo_peak_ratio": floor,
+            "constant_bytes": constant, "modes": modes,
             "config": spec, "wall_s_swarm": time.time() - start, "timestamp": stamp()}
