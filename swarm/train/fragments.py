@@ -133,8 +133,7 @@ class Fragment:
         shards = self.diloco.shards
         if shards.root and not (isinstance(averaged, NodeVector) and averaged.file is shards.average):
             raise RuntimeError("the averager wrote the average elsewhere than into the buffers it was given")
-        return Rows(shards.average, self.indices, [g.shape for g in self.global_params],
-                    self.global_params[0].device)
+        return Rows(shards.average, self.indices, [g.shape for g in self.global_params])
 
     def outer_grads(self) -> list[torch.Tensor]:
         return [torch.empty_like(g) for g in self.global_params]

@@ -216,18 +216,17 @@ class NodeVector(Buffers):
 
 
 class Rows(Buffers):
-    """This rank's rows of tensors `indices` of a `NodeFile` (shaped `shapes`, on `device`), read one tensor at a
-    time by `each`: what the outer step reads of an average, with no copy of it held meanwhile."""
+    """This rank's rows of tensors `indices` of a `NodeFile` (shaped `shapes`), read from the file when asked
+    (`Buffers.each`: one tensor at a time): what the outer step reads of an average, with no copy of it held
+    meanwhile."""
 
-    def __init__(self, file: NodeFile, indices: Sequence[int], shapes: Sequence[torch.Size], device: torch.device):
-        self.file, self.indices, self.tensors = file, list(indices), []
-        self.shapes, self.device = list(shapes), device
+    def __init__(self, file: NodeFile, indices: Sequence[int], shapes: Sequence[torch.Size]):
+        self.file, self.indices, self.tensors, self.shapes = file, list(indices), [], list(shapes)
 
-    def each(self) -> Iterator[tuple[int, torch.Tensor]]:
-        for j, i in enumerate(self.indices):
-            rows = torch.empty(self.shapes[j], device=self.device)
-            self.file.read_rows(i, rows)
-            yield j, rows
+    def read(self, index: int, start: int, end: int) -> torch.Tensor:
+        rows = torch.empty(self.shapes[index])
+        self.file.read_rows(self.indices[index], rows)
+        return rows.view(-1)[start:end]
 
 
 class Shards:
