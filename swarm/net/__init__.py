@@ -4,7 +4,8 @@
 everything below serves it. By concern:
 
 Transport
-- `dht.py`: starting the hivemind DHT (validated addresses, a bounded bootstrap).
+- `dht.py`: starting the hivemind DHT (validated addresses, a bounded bootstrap); `p2pd.py`: the libp2p daemon
+  under it, started with the services swarm uses and no others (no circuit relay).
 - `wire.py`: framed messages over raw libp2p streams; bounded memory, waits that end.
 - `dataplane.py`: the all-reduce's bulk bytes on direct TCP between groupmates, sealed (AES-GCM) with a key
   given over libp2p; libp2p where a groupmate cannot be dialed.

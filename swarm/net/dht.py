@@ -1,15 +1,15 @@
 """Starting the DHT: validated addresses, a bounded bootstrap, no orphaned child process.
 
-hivemind's `DHT` runs in a forked child that starts a `p2pd` daemon. Failures we turn into one-line
-errors (measured with hivemind 1.1.12):
+A peer's DHT is a `p2pd` daemon this process starts (swarm.net.p2pd) and hivemind's `DHT` in a forked child
+that connects to it. Failures we turn into one-line errors (measured with hivemind 1.1.12):
 - a malformed multiaddr, or an initial peer without `/p2p/<id>`: `UsageError` naming it, before any
   process starts;
 - unreachable initial peers: p2pd exits with "failed to connect to bootstrap peers" (0.3-5 s on
-  loopback); a peer that accepts TCP but never answers is bounded inside the child by
-  `cfg.bootstrap_timeout` (p2pd start-up). Both raise `SwarmError("initial peers unreachable: ...")`;
+  loopback); a peer that accepts TCP but never answers is bounded by `cfg.bootstrap_timeout` (p2pd
+  start-up). Both raise `SwarmError("initial peers unreachable: ...")`;
 - a child that reports nothing at all is killed after `_start_deadline`, well past its own bounds;
 - a host port already in use: `SwarmError` naming the port.
-Every failure path joins (or kills, then joins) the child so no process is left behind.
+Every failure path joins (or kills, then joins) the child and stops the daemon, so no process is left behind.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import threading
 from typing import Optional
 
 import hivemind
+from hivemind.p2p.p2p_daemon import P2PDaemonError
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
@@ -35,6 +36,7 @@ from swarm.errors import SwarmError, UsageError
 from swarm.net import schema
 from swarm.net.identity import Identity, load_identity, with_work
 from swarm.net.manifest import ManifestRefused, choose_manifest, read_manifests
+from swarm.net.p2pd import Daemon, identity_taken
 from swarm.net.policy import run_fingerprint
 from swarm.run.runid import RunIdentity
 
@@ -105,13 +107,20 @@ def _explain(error: BaseException, cfg: SwarmConfig) -> SwarmError:
     return SwarmError(f"cannot start the DHT: {text.splitlines()[0] if text else type(error).__name__}")
 
 
-def _stop(dht: hivemind.DHT) -> None:
-    """Shut a DHT child down, or kill it when it is stuck in start-up and cannot read its pipe.
+def _stop(dht: DHT) -> None:
+    """Shut a DHT child down, or kill it when it is stuck in start-up and cannot read its pipe; then its daemon.
 
     A child killed while it reports to us holds hivemind's process-shared `MPFuture._update_lock` forever;
     every later child (the next DHT, the averager) then blocks on its first report and its start times out.
     Reset hivemind's future backend if you see that lock stuck after a kill.
     """
+    try:
+        _stop_child(dht)
+    finally:
+        dht.p2pd.close()
+
+
+def _stop_child(dht: DHT) -> None:
     if not dht.is_alive():
         dht.join(5)
         return
@@ -128,8 +137,14 @@ def _stop(dht: hivemind.DHT) -> None:
         MPFuture.reset_backend()
 
 
+def _daemon_deadline(cfg: SwarmConfig) -> float:
+    """Our wait for p2pd to be up: `bootstrap_timeout` when it must reach an initial peer first (its usual field
+    failure), and at least START_GRACE when it need not (a loaded machine)."""
+    return cfg.bootstrap_timeout if cfg.initial_peers else max(cfg.bootstrap_timeout, START_GRACE)
+
+
 def _start_deadline(cfg: SwarmConfig) -> float:
-    """Our wait for the child: its own bounds (p2pd start-up, then the bootstrap pings, each
+    """Our wait for the child: its own bounds (connecting to the daemon, then the bootstrap pings, each
     `bootstrap_timeout`) plus START_GRACE. The child reports its own failures well within this; killing it
     at the same moment as it reports is what breaks hivemind's future backend (see `_stop`)."""
     return 2 * cfg.bootstrap_timeout + START_GRACE
@@ -140,16 +155,24 @@ def allowed_peers(cfg: SwarmConfig) -> Optional[frozenset[str]]:
     return frozenset(cfg.allowed_peers) if cfg.auth == "allowlist" else None
 
 
-P2PD_SERVICES = dict(use_relay=False, nat_port_map=False, auto_nat=False)
-"""libp2p services p2pd runs by default that swarm never uses, off: circuit relay (a client dials out and needs
-none; a relayed connection is capped far below a round's bytes), NAT port mapping (it would map the DHT port
-only, not the data plane's, and it probes the local network with UPnP multicast) and AutoNAT (reachability is
-declared, `swarm.client_mode`; its service dials back addresses that remote peers name). Each costs CPU at every
-daemon start and keeps goroutines running for its life."""
+class DHT(hivemind.DHT):
+    """hivemind's DHT on a p2pd this process started (swarm.net.p2pd): its child process connects to the daemon,
+    and `shutdown` stops the daemon after the child. `identity`: the key it runs under (matchmaking signs this
+    peer's metas with it, signedmeta.py)."""
+
+    def __init__(self, daemon: Daemon, identity: Identity, **kwargs):
+        super().__init__(p2p=daemon, **kwargs)
+        self.p2pd, self.identity = daemon, identity
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+        finally:
+            self.p2pd.close()
 
 
 def start_dht(cfg: SwarmConfig, identity: Optional[Identity] = None, *, fingerprint: Optional[str] = None,
-              run: Optional[RunIdentity] = None) -> hivemind.DHT:
+              run: Optional[RunIdentity] = None) -> DHT:
     """Start a DHT peer for `cfg` as `identity` (default: `swarm.identity`); with `run` (or only its
     `fingerprint`), also sign (or check) the run's fingerprint: a refusal names the first key that differs."""
     from swarm.run.logs import route_hivemind
@@ -165,31 +188,36 @@ def start_dht(cfg: SwarmConfig, identity: Optional[Identity] = None, *, fingerpr
         raise UsageError(f"swarm.allowed_peers: this peer's own id {identity.peer_id} is not in the allowlist "
                          f"(swarm.identity {identity.path or '(fresh key)'})")
     with identity.key_file() as key_file:
-        dht = hivemind.DHT(
-            initial_peers=initial, start=False, host_maddrs=host, announce_maddrs=announce or None,
-            identity_path=key_file, client_mode=cfg.client_mode,
-            # hivemind checks that a key file is not in use by dialing it from a second p2pd; a key made by this
-            # process (a fresh one, or a key file created just now) cannot be, as hivemind says of keys it makes
-            check_if_identity_free=identity.path is not None and not identity.made_now,
-            record_validators=schema.validators(cfg.run_id, identity, allowed),
-            startup_timeout=cfg.bootstrap_timeout,  # p2pd start-up (its default, 15 s, is the usual field failure)
-            **P2PD_SERVICES,
-            bootstrap_timeout=cfg.bootstrap_timeout, ensure_bootstrap_success=bool(initial),
-        )
+        # hivemind checks that a key file is not in use by dialing it from a second p2pd; a key made by this process
+        # (a fresh one, or a key file created just now) cannot be, as hivemind says of keys it makes
+        if initial and identity.path is not None and not identity.made_now and identity_taken(key_file, initial):
+            raise SwarmError(f"swarm.identity {identity.path}: a peer of this swarm already runs under this key "
+                             f"({identity.peer_id}); give each peer a key of its own")
         try:
-            with children_die_with_us():
-                dht.run_in_background(await_ready=True, timeout=_start_deadline(cfg))
-        except concurrent.futures.TimeoutError:
-            _stop(dht)
-            if not initial:
-                raise SwarmError(f"the DHT did not start within {_start_deadline(cfg):g} s "
-                                 f"(2 x swarm.bootstrap_timeout + {START_GRACE:g} s)") from None
-            raise SwarmError(f"initial peers unreachable: no answer from {', '.join(initial)} within "
-                             f"{_start_deadline(cfg):g} s (2 x swarm.bootstrap_timeout + {START_GRACE:g} s)") from None
-        except Exception as e:  # P2PDaemonError, RuntimeError from DHTNode.create: explained, child reaped
-            _stop(dht)
+            daemon = Daemon.start(host_maddrs=host, announce_maddrs=announce, initial_peers=initial,
+                                  key_file=key_file, client_mode=cfg.client_mode, timeout=_daemon_deadline(cfg))
+        except P2PDaemonError as e:
             raise _explain(e, cfg) from e
-    dht.identity = identity  # the key it runs under: matchmaking signs this peer's metas with it (signedmeta.py)
+    try:
+        dht = DHT(daemon, identity, initial_peers=initial, start=False, client_mode=cfg.client_mode,
+                  record_validators=schema.validators(cfg.run_id, identity, allowed),
+                  bootstrap_timeout=cfg.bootstrap_timeout, ensure_bootstrap_success=bool(initial))
+    except BaseException:
+        daemon.close()
+        raise
+    try:
+        with children_die_with_us():
+            dht.run_in_background(await_ready=True, timeout=_start_deadline(cfg))
+    except concurrent.futures.TimeoutError:
+        _stop(dht)
+        if not initial:
+            raise SwarmError(f"the DHT did not start within {_start_deadline(cfg):g} s "
+                             f"(2 x swarm.bootstrap_timeout + {START_GRACE:g} s)") from None
+        raise SwarmError(f"initial peers unreachable: no answer from {', '.join(initial)} within "
+                         f"{_start_deadline(cfg):g} s (2 x swarm.bootstrap_timeout + {START_GRACE:g} s)") from None
+    except Exception as e:  # RuntimeError from DHTNode.create (no initial peer answered its ping): explained, reaped
+        _stop(dht)
+        raise _explain(e, cfg) from e
     if fingerprint is not None:
         try:
             check_fingerprint(dht, cfg, identity, fingerprint, run)

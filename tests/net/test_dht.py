@@ -1,19 +1,19 @@
 """start_dht: address validation, unreachable peers, busy port, run fingerprint, bootstrap command."""
 
+import asyncio
 import signal
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from conftest import REPO, fast_cfg
+from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 
 from swarm.errors import SwarmError, UsageError
 from swarm.net.dht import start_dht, visible_maddrs
 from swarm.net.identity import load_identity
-from tests.conftest import descendants
 
 pytestmark = pytest.mark.slow  # starts peers, DHTs or `swarm` processes (make test-fast leaves it out)
 
@@ -85,17 +85,26 @@ def test_identity_file_fixes_the_peer_id(tmp_path):
     assert ids[0] == ids[1]
 
 
-@pytest.mark.timeout(20)
-def test_the_daemon_runs_none_of_the_libp2p_services_swarm_does_not_use():
-    """No circuit relay, NAT port mapping or AutoNAT (swarm.net.dht.P2PD_SERVICES): NAT port mapping would probe
-    the local network's gateway with UPnP and NAT-PMP from every peer, a test's included."""
-    dht = start_dht(fast_cfg())
+@pytest.mark.timeout(30)
+def test_the_daemon_serves_no_circuit_relay():
+    """No peer relays strangers' circuits (swarm.net.p2pd.CONFIG): a peer of the swarm that asks another for a relay
+    reservation is refused the protocol, while a protocol the daemon does serve (libp2p's ping) opens."""
+    async def probe(client, peer_id) -> None:
+        p2p = await client.replicate_p2p()
+        _, _, writer = await p2p.call_binary_stream_handler(peer_id, "/ipfs/ping/1.0.0")
+        writer.close()
+        with pytest.raises(ControlFailure, match="protocols not supported"):
+            await p2p.call_binary_stream_handler(peer_id, "/libp2p/circuit/relay/0.2.0/hop")
+
+    server = start_dht(fast_cfg())
     try:
-        (args,) = [Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0") for pid in descendants(dht.pid)
-                   if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].endswith(b"p2pd")]
+        client = start_dht(fast_cfg(initial_peers=visible_maddrs(server)))
+        try:
+            asyncio.run(probe(client, server.peer_id))
+        finally:
+            client.shutdown()
     finally:
-        dht.shutdown()
-    assert {"-relay=0", "-natPortMap=0", "-autonat=0"} <= set(args), args
+        server.shutdown()
 
 
 @pytest.mark.timeout(40)
