@@ -175,17 +175,20 @@ def one_thread_per_worker():
     """On several workers (`make test`: one per core), torch computes on one thread in each worker and in every
     process it starts (OMP_NUM_THREADS, read by the fork server's torch and so by every peer forked from it, unless
     a test sets `diloco.threads`): two threads each would oversubscribe the cores, and a test that trains waits on
-    threads that another process holds (the 150M recipe's inner steps: 7 s alone, 40 s beside a worker on 2)."""
-    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    threads that another process holds (the 150M recipe's inner steps: 7 s alone, 40 s beside a worker on 2).
+    Likewise each p2pd daemon runs Go on one thread (GOMAXPROCS): dozens of daemons at once, each with a thread
+    per core looking for work, spend CPU the tests need."""
+    threads, saved = torch.get_num_threads(), {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "GOMAXPROCS")}
     if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
         torch.set_num_threads(1)
-        os.environ["OMP_NUM_THREADS"] = "1"
+        os.environ.update(OMP_NUM_THREADS="1", GOMAXPROCS="1")
     yield
     torch.set_num_threads(threads)
-    if omp is None:
-        os.environ.pop("OMP_NUM_THREADS", None)
-    else:
-        os.environ["OMP_NUM_THREADS"] = omp
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(autouse=True)
