@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Optional
 
 from hivemind.p2p import P2P
-from hivemind.p2p.p2p_daemon import P2PDaemonError
+from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE, P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,6 @@ local network with UPnP multicast) and no AutoNAT service (reachability is decla
 service dials back addresses that remote peers name). Flags add to this config and never take away from it."""
 
 IDLE_TIMEOUT = 30.0  # seconds a daemon waits for its first client before it exits (hivemind's default)
-MAX_MESSAGE = 4 * 2**20  # bytes in one message on a persistent connection (hivemind's default)
 TAIL_LINES = 20  # lines of the daemon's output kept to explain a failed start
 
 
@@ -70,7 +69,8 @@ class Daemon:
         socket = f"{name}.sock"
         args = [str(files("hivemind.hivemind_cli") / "p2pd"), f"-f={config}", "-relay=0",  # the flag's default is 1
                 f"-listen=/unix{socket}", f"-id={key_file}", "-dhtClient=1" if client_mode else "-dhtServer=1",
-                "-connManager=1", f"-idleTimeout={IDLE_TIMEOUT:g}s", f"-persistentConnMaxMsgSize={MAX_MESSAGE}"]
+                "-connManager=1", f"-idleTimeout={IDLE_TIMEOUT:g}s",
+                f"-persistentConnMaxMsgSize={DEFAULT_MAX_MSG_SIZE}"]
         for flag, maddrs in (("hostAddrs", host_maddrs), ("announceAddrs", announce_maddrs),
                              ("bootstrapPeers", initial_peers)):
             if maddrs:

@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import REPO, fast_cfg
@@ -88,7 +89,9 @@ def test_identity_file_fixes_the_peer_id(tmp_path):
 @pytest.mark.timeout(30)
 def test_the_daemon_serves_no_circuit_relay():
     """No peer relays strangers' circuits (swarm.net.p2pd.CONFIG): a peer of the swarm that asks another for a relay
-    reservation is refused the protocol, while a protocol the daemon does serve (libp2p's ping) opens."""
+    reservation is refused the protocol, while a protocol the daemon does serve (libp2p's ping) opens. No flag turns
+    NAT port mapping or AutoNAT back on: NAT port mapping would probe the local network's gateway with UPnP and
+    NAT-PMP from every peer, a test's included."""
     async def probe(client, peer_id) -> None:
         p2p = await client.replicate_p2p()
         _, _, writer = await p2p.call_binary_stream_handler(peer_id, "/ipfs/ping/1.0.0")
@@ -98,6 +101,8 @@ def test_the_daemon_serves_no_circuit_relay():
 
     server = start_dht(fast_cfg())
     try:
+        args = Path(f"/proc/{server.p2pd.proc.pid}/cmdline").read_bytes().decode().split("\0")
+        assert "-relay=0" in args and not {"-natPortMap=1", "-autonat=1", "-relay=1"} & set(args), args
         client = start_dht(fast_cfg(initial_peers=visible_maddrs(server)))
         try:
             asyncio.run(probe(client, server.peer_id))
